@@ -1,0 +1,35 @@
+# ppring: `make test` and `make demo` on a fresh machine. Everything lands in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ppring-installed
+# The CPU build of torch lies on this machine's disk; installing it first stops the project's
+# plain `torch` requirement from pulling a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
+
+.PHONY: setup test lint bench-codec clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-runs only when pyproject.toml changes: a second `make test` installs nothing.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+bench-codec: setup
+	$(BIN)/python -m bench.codec
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,176 @@
+"""The codec: one message = one ZeroMQ multipart message, no pickle.
+
+Frame 0 is a msgpack map: `v` (protocol version), `kind`, the message's non-tensor fields, and
+`tensors`, a list of `{name, dtype, shape}`. Then one raw frame per tensor, in that order.
+
+Encoding copies nothing it need not: a tensor frame is a memoryview over the tensor's own
+storage (the channel hands it to ZeroMQ with `copy=False`, which keeps a reference until sent).
+Decoding builds tensors over the received frames (`torch.frombuffer`), so a proxy of any size
+costs no copy on either side beyond what the transport does.
+
+torch is imported lazily, on the first tensor, so `protocol` imports fast for the scheduler and
+the client, which never see one.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import msgpack
+
+from protocol.errors import ProtocolError
+from protocol.messages import ALL_KINDS
+from protocol.schema import Limits, TensorField, field_types, from_wire, tensor_fields, to_wire
+
+PROTOCOL_VERSION = 1
+DEFAULT_LIMITS = Limits()
+
+# name on the wire -> (torch dtype attribute, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "float32": ("float32", 4),
+    "bfloat16": ("bfloat16", 2),
+    "float16": ("float16", 2),
+    "int32": ("int32", 4),
+    "int64": ("int64", 8),
+}
+RESERVED_KEYS = ("v", "kind", "tensors")
+
+Frame = Any  # bytes, memoryview, or zmq.Frame
+
+
+def encode(msg: Any) -> list[Any]:
+    """Frames for one message: [header, tensor frames...]. Tensor frames are zero-copy views."""
+    kind = getattr(type(msg), "kind", None)
+    if kind not in ALL_KINDS or type(msg) is not ALL_KINDS[kind]:
+        raise ProtocolError(f"cannot encode a {type(msg).__name__}: it is not a message kind")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    names = tensor_fields(type(msg))
+    tensor_meta = []
+    frames: list[Any] = [None]
+    for name, tp in field_types(type(msg)).items():
+        value = getattr(msg, name)
+        if tp is TensorField:
+            continue
+        header[name] = to_wire(value)
+    for name in names:
+        meta, frame = _tensor_to_frame(name, getattr(msg, name))
+        tensor_meta.append(meta)
+        frames.append(frame)
+    header["tensors"] = tensor_meta
+    try:
+        frames[0] = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {kind}: {exc}") from None
+    return frames
+
+
+def decode(frames: list[Frame], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """One message from its frames, validated; any failure raises ProtocolError only."""
+    try:
+        return _decode(frames, limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the contract: nothing but ProtocolError escapes
+        raise ProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(frames: list[Frame], limits: Limits) -> Any:
+    if not frames:
+        raise ProtocolError("empty message: no frames")
+    buffers = [_buffer(f) for f in frames]
+    total = sum(len(b) for b in buffers)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"message of {total} bytes exceeds the {limits.max_message_bytes} cap")
+    if len(buffers[0]) > limits.max_header_bytes:
+        raise ProtocolError(f"header of {len(buffers[0])} bytes exceeds the cap")
+    try:
+        header = msgpack.unpackb(buffers[0], raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types on bad bytes
+        raise ProtocolError(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header must be a msgpack map")
+    if header.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}")
+    kind = header.get("kind")
+    if not isinstance(kind, str) or kind not in ALL_KINDS:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    cls = ALL_KINDS[kind]
+    tensors_meta = header.get("tensors")
+    if not isinstance(tensors_meta, list):
+        raise ProtocolError("header field 'tensors' must be a list")
+    expected = tensor_fields(cls)
+    if len(tensors_meta) != len(expected) or len(tensors_meta) > limits.max_tensors:
+        raise ProtocolError(
+            f"{kind} carries {len(expected)} tensors, header lists {len(tensors_meta)}"
+        )
+    if len(buffers) != 1 + len(tensors_meta):
+        raise ProtocolError(f"{kind} needs {1 + len(tensors_meta)} frames, got {len(buffers)}")
+    tensors = {}
+    for i, (name, meta) in enumerate(zip(expected, tensors_meta)):
+        frame = frames[i + 1]
+        tensors[name] = _frame_to_tensor(name, meta, frame, len(buffers[i + 1]), limits)
+    fields = {k: v for k, v in header.items() if k not in RESERVED_KEYS}
+    return from_wire(cls, fields, limits, tensors=tensors)
+
+
+def _buffer(frame: Frame) -> memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return memoryview(frame)
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame
+    if buffer is None:
+        raise ProtocolError(f"a frame must be bytes, got {type(frame).__name__}")
+    return buffer
+
+
+def _tensor_to_frame(name: str, tensor: Any) -> tuple[dict[str, Any], Any]:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        raise ProtocolError(f"field {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    if dtype_name not in DTYPES:
+        raise ProtocolError(f"tensor {name} has dtype {dtype_name}, not one of {list(DTYPES)}")
+    # contiguous() and cpu() return the tensor itself when nothing needs copying.
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    meta = {"name": name, "dtype": dtype_name, "shape": list(tensor.shape)}
+    if flat.numel() == 0:
+        return meta, b""
+    # Viewing as bytes works for every dtype, bfloat16 included (numpy has no bfloat16).
+    return meta, memoryview(flat.view(torch.uint8).numpy())
+
+
+def _frame_to_tensor(name: str, meta: Any, frame: Frame, nbytes: int, limits: Limits) -> Any:
+    if not isinstance(meta, dict) or set(meta) != {"name", "dtype", "shape"}:
+        raise ProtocolError(f"tensor entry for {name} must have exactly name, dtype, shape")
+    if meta["name"] != name:
+        raise ProtocolError(f"expected tensor {name!r}, header names {meta['name']!r}")
+    dtype_name, shape = meta["dtype"], meta["shape"]
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        raise ProtocolError(f"tensor {name} has dtype {dtype_name!r}, not one of {list(DTYPES)}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > limits.max_tensor_ndim
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+    ):
+        raise ProtocolError(f"tensor {name} shape must be a list of at most 8 non-negative ints")
+    if nbytes > limits.max_frame_bytes:
+        raise ProtocolError(f"tensor {name} frame of {nbytes} bytes exceeds the cap")
+    # Python ints do not overflow, so a huge declared shape is caught here before any allocation.
+    expected = math.prod(shape) * DTYPES[dtype_name][1]
+    if expected != nbytes:
+        raise ProtocolError(f"tensor {name} declares {expected} bytes, its frame has {nbytes}")
+
+    import torch
+
+    dtype = getattr(torch, DTYPES[dtype_name][0])
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # ZeroMQ's frames are read-only memoryviews; the stage only reads its inputs.
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(_buffer(frame), dtype=dtype).view(shape)
+    if tensor.data_ptr() % tensor.element_size():
+        tensor = tensor.clone()  # an unaligned frame: rare, and kernels want aligned data
+    return tensor

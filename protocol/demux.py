@@ -1,0 +1,100 @@
+"""The demultiplexing receiver: `recv(kind)` over one ring link that carries every kind.
+
+A stage's loop wants its messages in a fixed order (reqs, then proxy, then output of a given
+step), but they arrive in whatever order the previous stage sent them. Messages of other kinds
+that arrive first are stashed per kind and handed out later in arrival order (SGLang's
+`_pp_recv_typed_dict` stashes the same way).
+
+Every `reqs`, `proxy` and `output` is checked on arrival: per kind, steps must be consecutive
+from 0 and `slot == step % loop_size`. A gap or a reorder means a message was lost or the stages
+disagree about where they are; it raises `SequenceError`, which the ring treats as fatal. An
+undecodable message is logged and dropped (a peer that can reach the port must not be able to
+stop the ring by sending junk); if it was a real ring message, the next one trips the check.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from protocol.channels import ChannelTimeout, PullChannel
+from protocol.errors import ProtocolError
+from protocol.messages import ALL_KINDS, SEQUENCED_KINDS
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceError(ProtocolError):
+    """A ring message arrived out of step: lost, duplicated or reordered."""
+
+
+class DemuxReceiver:
+    def __init__(self, channel: PullChannel, loop_size: int | None = None) -> None:
+        self.channel = channel
+        self.loop_size = loop_size
+        self.stash: dict[str, deque[Any]] = {kind: deque() for kind in ALL_KINDS}
+        self.next_step: dict[str, int] = {kind: 0 for kind in SEQUENCED_KINDS}
+        self.num_dropped = 0
+
+    def recv(self, kind: str, timeout_s: float | None = None) -> Any:
+        """The next message of `kind`; stashes others. Raises ChannelTimeout or SequenceError."""
+        if kind not in self.stash:
+            raise ValueError(f"unknown message kind {kind!r}")
+        if self.stash[kind]:
+            return self.stash[kind].popleft()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ChannelTimeout(f"no {kind} message within {timeout_s:.3g} s")
+            try:
+                msg = self._recv_one(remaining)
+            except ChannelTimeout:
+                raise ChannelTimeout(
+                    f"no {kind} message on {self.channel.addr} within {timeout_s:.3g} s"
+                ) from None
+            if msg is None:
+                continue
+            if msg.kind == kind:
+                return msg
+            self.stash[msg.kind].append(msg)
+
+    def poll(self, kind: str, timeout_s: float = 0.0) -> Any | None:
+        """Like recv, but returns None instead of raising on timeout."""
+        try:
+            return self.recv(kind, timeout_s)
+        except ChannelTimeout:
+            return None
+
+    def pending(self, kind: str) -> int:
+        return len(self.stash[kind])
+
+    def _recv_one(self, timeout_s: float | None) -> Any | None:
+        try:
+            msg = self.channel.recv(timeout_s)
+        except SequenceError:
+            raise
+        except ProtocolError as exc:
+            self.num_dropped += 1
+            logger.warning("dropped a bad message on %s: %s", self.channel.addr, exc)
+            return None
+        if msg.kind in self.next_step:
+            self._check_sequence(msg)
+        return msg
+
+    def _check_sequence(self, msg: Any) -> None:
+        expected = self.next_step[msg.kind]
+        if msg.step != expected:
+            what = "a message was lost" if msg.step > expected else "a message was repeated"
+            raise SequenceError(
+                f"{msg.kind} step gap on {self.channel.addr}: expected step {expected}, "
+                f"got step {msg.step} (slot {msg.slot}); {what} or reordered"
+            )
+        if self.loop_size is not None and msg.slot != msg.step % self.loop_size:
+            raise SequenceError(
+                f"{msg.kind} step {msg.step} arrived for slot {msg.slot}, expected slot "
+                f"{msg.step % self.loop_size} of {self.loop_size}"
+            )
+        self.next_step[msg.kind] = expected + 1

@@ -1,0 +1,196 @@
+"""Every message kind on the wire: one frozen dataclass per kind.
+
+Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`); client kinds travel
+between a client and the frontend (`generate`, `abort`, `chunk`, `done`, `error`). Fields typed
+`Tensor` travel as raw frames after the msgpack header (protocol/codec.py); every other field
+travels inside the header and is type-checked on decode (protocol/schema.py).
+
+The ring's ordering rule (DESIGN.md §6): every stage walks the micro-batch slots in order, and
+on iteration `step` it handles slot `step % pp_loop_size`. It sends exactly one `reqs`, one
+`proxy` and one `output` per step (an empty batch sends zero-length tensors and empty lists), so
+per kind the steps a stage receives are consecutive and a gap is a lost message
+(protocol/demux.py checks this).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from protocol.errors import ProtocolError
+from protocol.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# Ctrl operations. `hello`/`ready` are start-up handshakes, `heartbeat` proves the ring is alive
+# while idle, `shutdown` drains the ring, `error` carries a fatal condition to every stage.
+CTRL_OPS = ("hello", "ready", "heartbeat", "shutdown", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring messages
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request as the ring sees it: token ids in, sampling parameters; no text."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+    def __post_init__(self) -> None:
+        if not self.rid:
+            raise ProtocolError("rid must be a non-empty string")
+        if not self.input_ids:
+            raise ProtocolError(f"request {self.rid} has no input tokens")
+        if any(token_id < 0 for token_id in self.input_ids):
+            raise ProtocolError(f"request {self.rid} has a negative token id")
+
+
+@dataclass(frozen=True)
+class Reqs:
+    """New requests and aborts that enter the ring at one step; forwarded unchanged."""
+
+    kind: ClassVar[str] = "reqs"
+    slot: int
+    step: int
+    new: list[NewRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """The seam tensors of one micro-batch, sent from stage r to stage r+1."""
+
+    kind: ClassVar[str] = "proxy"
+    slot: int
+    step: int
+    digest: str  # the sender's digest of the batch decision; the receiver must compute the same
+    hidden_states: Tensor  # [T, d]
+    residual: Tensor  # [T, d]; the un-added residual of the fused add+RMSNorm (DESIGN.md §3)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Sampled tokens of one micro-batch, from the last stage around the ring to every stage."""
+
+    kind: ClassVar[str] = "output"
+    slot: int
+    step: int
+    digest: str
+    token_ids: list[int]  # one per sampled row, in batch order
+    logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class Ctrl:
+    """Control messages. Not numbered per slot: any stage may originate one (e.g. `error`)."""
+
+    kind: ClassVar[str] = "ctrl"
+    op: str
+    rank: int  # the stage that originated it
+    seq: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # JSON-like values only
+
+    def __post_init__(self) -> None:
+        if self.op not in CTRL_OPS:
+            raise ProtocolError(f"ctrl op must be one of {', '.join(CTRL_OPS)}, got {self.op!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Client messages
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise ProtocolError(f"chat role must be one of {', '.join(CHAT_ROLES)}")
+
+
+@dataclass(frozen=True)
+class Generate:
+    """A client's request. Exactly one of `prompt`, `messages` (chat) or `input_ids` is set."""
+
+    kind: ClassVar[str] = "generate"
+    rid: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)  # stop strings, applied by the frontend
+
+    def __post_init__(self) -> None:
+        if not self.rid:
+            raise ProtocolError("rid must be a non-empty string")
+        given = [x for x in (self.prompt, self.messages, self.input_ids) if x is not None]
+        if len(given) != 1:
+            raise ProtocolError("give exactly one of prompt, messages or input_ids")
+        if not given[0]:
+            raise ProtocolError("the prompt is empty")
+        if self.input_ids is not None and any(t < 0 for t in self.input_ids):
+            raise ProtocolError("input_ids must be non-negative token ids")
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            raise ProtocolError("stop must be a list of at most 16 non-empty strings")
+
+
+@dataclass(frozen=True)
+class Abort:
+    kind: ClassVar[str] = "abort"
+    rid: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """An incremental piece of a streamed answer: new text and the token ids it came from."""
+
+    kind: ClassVar[str] = "chunk"
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """The one terminal success message of a request, with usage and timings."""
+
+    kind: ClassVar[str] = "done"
+    rid: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float  # time to first token
+    tpot_s: float  # mean time per output token after the first
+    e2e_s: float  # end-to-end latency seen by the frontend
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ProtocolError(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
+
+
+@dataclass(frozen=True)
+class Error:
+    """The one terminal failure message of a request (or of a message that had no rid)."""
+
+    kind: ClassVar[str] = "error"
+    rid: str  # empty when the bad message had no readable rid
+    code: str  # e.g. bad_request, ring_down, too_long, aborted
+    message: str
+
+
+RING_KINDS: dict[str, type] = {cls.kind: cls for cls in (Reqs, Proxy, Output, Ctrl)}
+CLIENT_KINDS: dict[str, type] = {cls.kind: cls for cls in (Generate, Abort, Chunk, Done, Error)}
+ALL_KINDS: dict[str, type] = {**RING_KINDS, **CLIENT_KINDS}
+
+# Kinds whose (slot, step) a receiver checks for continuity.
+SEQUENCED_KINDS = ("reqs", "proxy", "output")

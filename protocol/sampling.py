@@ -1,0 +1,79 @@
+"""Sampling parameters: one frozen dataclass, validated on construction.
+
+Names and meanings follow SGLang's / vLLM's `SamplingParams` so a user can move over without a
+dictionary: `top_k = -1` and `top_p = 1.0` and `min_p = 0.0` disable those filters,
+`temperature = 0` is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.errors import ProtocolError
+
+# Largest seed we accept: it must survive msgpack (int64) and torch.Generator.manual_seed.
+MAX_SEED = 2**63 - 1
+MAX_STOP_ENTRIES = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0, high=100.0)
+        _check_int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ProtocolError("top_k must be -1 (disabled) or at least 1, got 0")
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True
+        )
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=MAX_SEED)
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_ENTRIES:
+            raise ProtocolError(
+                f"stop_token_ids must be a list of at most {MAX_STOP_ENTRIES} token ids"
+            )
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token_id, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ProtocolError("ignore_eos must be a bool")
+        if not isinstance(self.logprobs, bool):
+            raise ProtocolError("logprobs must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    # bool is an int subclass in Python; a client that sends `true` for a count is wrong.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{name} must be an integer, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ProtocolError(f"{name} must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise ProtocolError(f"{name} must be at most {high}, got {value}")
+
+
+def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{name} must be a number, got {type(value).__name__}")
+    if value != value:  # NaN compares unequal to itself
+        raise ProtocolError(f"{name} must be a number, got NaN")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        bracket = "(" if low_open else "["
+        raise ProtocolError(f"{name} must be in {bracket}{low}, {high}], got {value}")

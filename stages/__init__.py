@@ -1,0 +1,1 @@
+"""The compute half: a Llama shard that owns layers [start, end), its KV storage, the sampler."""

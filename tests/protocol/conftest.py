@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import zmq
+
+from protocol.channels import PullChannel, PushChannel
+from protocol.messages import (
+    Abort,
+    ChatMessage,
+    Chunk,
+    Ctrl,
+    Done,
+    Error,
+    Generate,
+    NewRequest,
+    Output,
+    Proxy,
+    Reqs,
+)
+from protocol.sampling import SamplingParams
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def link(ctx):
+    """A ring link over loopback TCP on a port the OS picks."""
+    pull = PullChannel("tcp://127.0.0.1:*", ctx=ctx)
+    push = PushChannel(pull.addr, ctx=ctx)
+    yield push, pull
+    push.close(linger_ms=0)
+    pull.close(linger_ms=0)
+
+
+def sample_messages() -> list:
+    """One or more instances of every kind, with non-default values in every field."""
+    sampling = SamplingParams(
+        max_new_tokens=7,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        seed=2**62,
+        stop_token_ids=[2, 3],
+        ignore_eos=True,
+        logprobs=True,
+    )
+    return [
+        Reqs(
+            slot=1,
+            step=5,
+            new=[NewRequest(rid="r1", input_ids=[1, 2, 3], sampling=sampling)],
+            aborts=["r0"],
+        ),
+        Reqs(slot=0, step=0),
+        Proxy(
+            slot=2,
+            step=9,
+            digest="d1",
+            hidden_states=torch.randn(5, 8),
+            residual=torch.randn(5, 8),
+        ),
+        Output(slot=3, step=11, digest="d2", token_ids=[4, 5], logprobs=[-0.5, -1.25]),
+        Output(slot=0, step=0, digest="", token_ids=[]),
+        Ctrl(op="heartbeat", rank=2, seq=17, info={"addrs": ["tcp://a:1"], "n": 3, "x": None}),
+        Generate(rid="g1", prompt="héllo ✓", sampling=sampling, stop=["\n\n"]),
+        Generate(rid="g2", messages=[ChatMessage(role="user", content="hi")]),
+        Generate(rid="g3", input_ids=[10, 11]),
+        Abort(rid="g1"),
+        Chunk(rid="g1", text="wörld", token_ids=[7, 8], logprobs=[-0.1, -0.2]),
+        Done(
+            rid="g1",
+            finish_reason="length",
+            prompt_tokens=3,
+            completion_tokens=7,
+            ttft_s=0.25,
+            tpot_s=0.05,
+            e2e_s=0.6,
+        ),
+        Error(rid="", code="bad_request", message="the prompt is empty"),
+    ]
+
+
+def random_proxy(rng: random.Random, step: int = 0, loop_size: int = 4) -> Proxy:
+    num_tokens = rng.randint(0, 6)
+    return Proxy(
+        slot=step % loop_size,
+        step=step,
+        digest=f"{rng.getrandbits(64):016x}",
+        hidden_states=torch.randn(num_tokens, 4),
+        residual=torch.randn(num_tokens, 4),
+    )

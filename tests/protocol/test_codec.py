@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from protocol.codec import DTYPES, decode, encode
+from protocol.errors import ProtocolError
+from protocol.messages import ALL_KINDS, Output, Proxy
+from tests.protocol.conftest import sample_messages
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            # Bit-exact: compare the raw bytes, so NaN payloads and -0.0 count too.
+            assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        else:
+            assert x == y, f.name
+
+
+def test_every_kind_round_trips_over_a_real_socket(link):
+    push, pull = link
+    messages = sample_messages()
+    assert {type(m).kind for m in messages} == set(ALL_KINDS)
+    for msg in messages:
+        push.send(msg)
+    for msg in messages:
+        assert_same(msg, pull.recv(timeout_s=5))
+
+
+@pytest.mark.parametrize("dtype_name", sorted(DTYPES))
+@pytest.mark.parametrize("num_tokens", [0, 1, 64, 3000])
+def test_tensors_of_every_dtype_and_size_are_bit_exact(link, dtype_name, num_tokens):
+    push, pull = link
+    dtype = getattr(torch, dtype_name)
+    if dtype.is_floating_point:
+        hidden = torch.randn(num_tokens, 24).to(dtype)
+        if num_tokens:
+            hidden[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    else:
+        hidden = torch.randint(-(2**30), 2**30, (num_tokens, 24), dtype=dtype)
+    msg = Proxy(slot=0, step=0, digest="x", hidden_states=hidden, residual=hidden[:, :5])
+    push.send(msg)
+    out = pull.recv(timeout_s=5)
+    assert_same(msg, out)
+
+
+def test_non_contiguous_tensors_are_sent_as_their_values(link):
+    push, pull = link
+    base = torch.randn(8, 6)
+    msg = Proxy(slot=0, step=0, digest="x", hidden_states=base.t(), residual=base[::2])
+    push.send(msg)
+    out = pull.recv(timeout_s=5)
+    assert torch.equal(out.hidden_states, base.t()) and torch.equal(out.residual, base[::2])
+
+
+def test_decoded_tensors_are_views_over_the_received_frame():
+    hidden = torch.randn(64, 576)
+    frames = [bytes(f) for f in encode(Proxy(0, 0, "x", hidden, hidden))]
+    out = decode(frames)
+    # torch.frombuffer shares memory with the frame: no copy on the receiving side.
+    assert out.hidden_states.untyped_storage().nbytes() == len(frames[1])
+    assert torch.equal(out.hidden_states, hidden)
+
+
+def test_encode_refuses_what_the_schema_cannot_carry():
+    with pytest.raises(ProtocolError):
+        encode(object())
+    with pytest.raises(ProtocolError, match="dtype"):
+        encode(Proxy(0, 0, "x", torch.zeros(2, dtype=torch.float64), torch.zeros(2)))
+    with pytest.raises(ProtocolError, match="torch.Tensor"):
+        encode(Proxy(0, 0, "x", [1.0], torch.zeros(2)))
+
+
+def test_decode_names_the_bad_field():
+    frames = encode(Output(slot=0, step=0, digest="x", token_ids=[1]))
+    import msgpack
+
+    header = msgpack.unpackb(frames[0])
+    header["token_ids"] = ["one"]
+    with pytest.raises(ProtocolError, match=r"token_ids\[0\]"):
+        decode([msgpack.packb(header)])
+    header["token_ids"] = [True]
+    with pytest.raises(ProtocolError, match="integer"):
+        decode([msgpack.packb(header)])
+    del header["token_ids"]
+    with pytest.raises(ProtocolError, match="missing field 'token_ids'"):
+        decode([msgpack.packb(header)])
+    header["token_ids"], header["extra"] = [1], 1
+    with pytest.raises(ProtocolError, match="unknown field 'extra'"):
+        decode([msgpack.packb(header)])
