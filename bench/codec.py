@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         ours_us = statistics.median(ours) * 1e6
         theirs_us = statistics.median(theirs) * 1e6
         print(
-            f"{label:<28}{nbytes:>10}{ours_us:>12.0f}{theirs_us:>12.0f}"
-            f"{ours_us / theirs_us:>7.2f}x"
+            f"{label:<28}{nbytes:>10}{ours_us:>12.0f}{theirs_us:>12.0f}{ours_us / theirs_us:>7.2f}x"
         )
     print("ratio = ppring time / pickle time (median; below 1 is faster)")
     push.close(linger=0)
