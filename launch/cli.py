@@ -11,7 +11,12 @@ import importlib
 import sys
 
 # name -> (module with `main(argv) -> int | None`, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "prepare-model": (
+        "launch.prepare_model",
+        "convert the default model (SmolLM2-135M-Instruct) into the cache; print its folder",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
