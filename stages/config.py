@@ -1,0 +1,218 @@
+"""The model's shape, read once from a Hugging Face folder's config.json.
+
+Torch-free, so the launcher and rendezvous can read a config and compare hashes cheaply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Bytes per element of the dtypes a stage may run in.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling. `linear` divides every frequency by `factor`; `llama3` divides
+    only the low frequencies, blending across [low_freq_factor, high_freq_factor]."""
+
+    rope_type: str
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None  # None: plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str  # the checkpoint's dtype name ("bfloat16"), not the dtype a stage runs in
+    architecture: str = "LlamaForCausalLM"
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        folder = Path(path)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise ConfigError(
+                f"{folder} has no config.json; pass --model a local Hugging Face model folder "
+                "(config.json plus *.safetensors)"
+            )
+        try:
+            raw = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"{config_path} is not readable JSON ({exc}); re-export the model folder"
+            ) from None
+        generation = _read_optional_json(folder / "generation_config.json")
+        return cls.from_dict(raw, generation, source=str(folder))
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        source: str = "config.json",
+    ) -> ModelConfig:
+        architecture = _check_architecture(raw, source)
+        hidden_size = _get_int(raw, "hidden_size", source)
+        num_heads = _get_int(raw, "num_attention_heads", source)
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
+        max_positions = _get_int(raw, "max_position_embeddings", source)
+        if architecture == "MistralForCausalLM":
+            window = raw.get("sliding_window")
+            if window is not None and window < max_positions:
+                raise ConfigError(
+                    f"{source} uses sliding-window attention (sliding_window={window} < "
+                    f"max_position_embeddings={max_positions}), which ppring does not implement; "
+                    "serve a model without a sliding window"
+                )
+        _check_unsupported(raw, source)
+        rope_theta, rope_scaling = _read_rope(raw, source)
+        eos = None
+        if generation is not None:
+            eos = generation.get("eos_token_id")
+        if eos is None:
+            eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            hidden_size=hidden_size,
+            num_layers=_get_int(raw, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=int(head_dim),
+            intermediate_size=_get_int(raw, "intermediate_size", source),
+            vocab_size=_get_int(raw, "vocab_size", source),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(int(t) for t in eos_ids),
+            bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            architecture=architecture,
+        )
+
+    @property
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of every field: equal on two nodes iff they loaded the
+        same model shape (checked at rendezvous)."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token_per_layer(self, dtype: object) -> int:
+        """K and V of one token in one layer: 2 * h_kv * d_head * bytes per element."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+
+def dtype_bytes(dtype: object) -> int:
+    """Bytes per element of a dtype given by name ("bfloat16") or as a torch.dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"--dtype {name} is not supported; use float32 or bfloat16")
+    return DTYPE_BYTES[name]
+
+
+def _check_architecture(raw: dict[str, Any], source: str) -> str:
+    architectures = raw.get("architectures") or []
+    for name in architectures:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = ", ".join(architectures) or f"model_type={raw.get('model_type')}"
+    raise ConfigError(
+        f"{source} is a {found} model but ppring serves only Llama-architecture models "
+        f"({', '.join(SUPPORTED_ARCHITECTURES)}); pass --model a Llama-family folder"
+    )
+
+
+def _check_unsupported(raw: dict[str, Any], source: str) -> None:
+    # Llama variants whose weights or math differ from what stages/llama.py implements.
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ConfigError(
+            f"{source} has bias terms (attention_bias/mlp_bias), which ppring does not "
+            "implement; serve a model without them"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source} uses hidden_act={act}; ppring implements only silu (SwiGLU)")
+
+
+def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older folders write
+    # `rope_theta` beside an optional `rope_scaling` dict. Accept both.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{source} uses rope_type={rope_type}, which ppring does not implement; "
+            f"serve a model with rope_type one of {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source} uses partial_rotary_factor, which ppring does not implement")
+    if rope_type == "default":
+        return theta, None
+    try:
+        if rope_type == "linear":
+            return theta, RopeScaling("linear", factor=float(params["factor"]))
+        return theta, RopeScaling(
+            "llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", raw["max_position_embeddings"])
+            ),
+        )
+    except KeyError as exc:
+        raise ConfigError(
+            f"{source} sets rope_type={rope_type} without {exc.args[0]}; add it to the config"
+        ) from None
+
+
+def _get_int(raw: dict[str, Any], key: str, source: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source} lacks an integer {key}; re-export the model's config.json")
+    return value
+
+
+def _read_optional_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,194 @@
+"""Turn a batch of `SeqChunk`s into the tensors one forward needs, once, shared by all layers.
+
+The batch is packed (varlen): T = the sum of the chunks' token counts, no padding between
+sequences. Attention metadata comes in two shapes:
+
+- a prefill chunk (more than one token, maybe with earlier context: chunked prefill) gets its own
+  attention call; its keys are exactly its context's slots, in position order;
+- decode tokens (one token each) are grouped by context length; each group is one batched call
+  over keys padded to the group's longest context, with padded slots masked out. Groups bound the
+  padding to about 2x, and a batch of similar lengths is one group. This costs
+  n * max_len key reads per group, where one call over the packed keys of all decodes with a
+  block-diagonal mask would cost n * sum(len): about n times more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stages.batch import BLOCK_SIZE, SeqChunk
+
+# Decode contexts at most this many keys shorter than a group's longest share the group anyway:
+# for short contexts one more call costs more than the padding it saves.
+DECODE_GROUP_SLACK = 64
+
+
+@dataclass
+class PrefillAttn:
+    row_start: int  # this chunk's rows in the packed batch: [row_start, row_end)
+    row_end: int
+    key_slots: torch.Tensor  # [ctx] cache slots of positions 0..ctx-1, ctx = start_pos + n
+    mask: torch.Tensor | None  # [n, ctx] bool, query i sees keys <= start_pos + i; None: causal
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # [n] rows of the packed batch; None: all rows, in order
+    key_slots: torch.Tensor  # [n * key_len] slots, row-major; padding repeats a real slot
+    key_len: int  # longest context in the group
+    mask: torch.Tensor | None  # [n, 1, 1, key_len] bool, True where a key is real; None: all
+
+
+@dataclass
+class ForwardInputs:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long, where each token's K/V is written
+    cu_seqlens: torch.Tensor  # [N + 1] int32, chunk boundaries in the packed batch
+    sample_rows: torch.Tensor  # [num_sampled] long, last row of each chunk with sample=True
+    prefills: list[PrefillAttn]
+    decode_groups: list[DecodeGroup]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def build_inputs(chunks: list[SeqChunk], device: str | torch.device = "cpu") -> ForwardInputs:
+    if not chunks:
+        raise ValueError("a forward needs at least one chunk")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    cu_seqlens = [0]
+    sample_rows: list[int] = []
+    prefills: list[PrefillAttn] = []
+    decode_rows: list[int] = []
+    decode_chunks: list[SeqChunk] = []
+    for chunk in chunks:
+        _check_chunk(chunk)
+        row = cu_seqlens[-1]
+        n = len(chunk.token_ids)
+        input_ids.extend(chunk.token_ids)
+        seq_positions = range(chunk.start_pos, chunk.start_pos + n)
+        positions.extend(seq_positions)
+        blocks = chunk.block_ids
+        slot_mapping.extend(
+            blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in seq_positions
+        )
+        cu_seqlens.append(row + n)
+        if chunk.sample:
+            sample_rows.append(row + n - 1)
+        if n == 1:
+            decode_rows.append(row)
+            decode_chunks.append(chunk)
+        else:
+            prefills.append(_prefill_attn(chunk, row, device))
+
+    num_tokens = cu_seqlens[-1]
+    decode_groups = _decode_groups(decode_rows, decode_chunks, num_tokens, device)
+    return ForwardInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        prefills=prefills,
+        decode_groups=decode_groups,
+    )
+
+
+def _check_chunk(chunk: SeqChunk) -> None:
+    # A violation here is a scheduler bug; fail loudly rather than attend to someone else's KV.
+    if not chunk.token_ids:
+        raise ValueError("a chunk must carry at least one token")
+    if chunk.start_pos < 0:
+        raise ValueError(f"start_pos must be >= 0, got {chunk.start_pos}")
+    if len(chunk.block_ids) * BLOCK_SIZE < chunk.seq_len:
+        raise ValueError(
+            f"block table of {len(chunk.block_ids)} blocks cannot hold {chunk.seq_len} tokens"
+        )
+
+
+def _context_slots(block_ids: list[int], ctx_len: int) -> torch.Tensor:
+    """Slots of positions 0..ctx_len-1 of one sequence: [ctx_len] long."""
+    num_blocks = -(-ctx_len // BLOCK_SIZE)
+    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
+    slots = blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)  # [blocks, 16]
+    return slots.reshape(-1)[:ctx_len]
+
+
+def _prefill_attn(chunk: SeqChunk, row: int, device: str | torch.device) -> PrefillAttn:
+    n, ctx = len(chunk.token_ids), chunk.seq_len
+    mask = None
+    if chunk.start_pos > 0:
+        # Causal, aligned bottom-right: query i sits at position start_pos + i.
+        query_pos = torch.arange(chunk.start_pos, ctx)[:, None]  # [n, 1]
+        mask = (torch.arange(ctx)[None, :] <= query_pos).to(device)  # [n, ctx]
+    return PrefillAttn(
+        row_start=row,
+        row_end=row + n,
+        key_slots=_context_slots(chunk.block_ids, ctx).to(device),
+        mask=mask,
+    )
+
+
+def _decode_groups(
+    rows: list[int], chunks: list[SeqChunk], num_tokens: int, device: str | torch.device
+) -> list[DecodeGroup]:
+    if not chunks:
+        return []
+    members = _group_by_length([chunk.seq_len for chunk in chunks])
+    if len(members) == 1 and len(rows) == num_tokens:
+        # A pure decode batch of similar lengths: keep batch order, so no gather/scatter of rows.
+        return [_decode_group(None, chunks, device)]
+    return [
+        _decode_group(
+            torch.tensor([rows[i] for i in group], dtype=torch.long, device=device),
+            [chunks[i] for i in group],
+            device,
+        )
+        for group in members
+    ]
+
+
+def _group_by_length(lengths: list[int]) -> list[list[int]]:
+    """Indices grouped longest first; a new group starts when padding a context to the group's
+    longest would more than double it and waste more than DECODE_GROUP_SLACK keys."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups = [[order[0]]]
+    for i in order[1:]:
+        longest = lengths[groups[-1][0]]
+        if 2 * lengths[i] < longest and longest - lengths[i] > DECODE_GROUP_SLACK:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return [sorted(group) for group in groups]
+
+
+def _decode_group(
+    rows: torch.Tensor | None, chunks: list[SeqChunk], device: str | torch.device
+) -> DecodeGroup:
+    lengths = torch.tensor([c.seq_len for c in chunks], dtype=torch.long)  # [n]
+    key_len = int(lengths.max())
+    num_blocks = -(-key_len // BLOCK_SIZE)
+    # Block tables cut or padded (with the sequence's first block) to num_blocks: [n, blocks].
+    table = torch.tensor(
+        [(c.block_ids + c.block_ids[:1] * num_blocks)[:num_blocks] for c in chunks],
+        dtype=torch.long,
+    )
+    slots = (table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(len(chunks), -1)
+    slots = slots[:, :key_len]  # [n, key_len]
+    real = torch.arange(key_len)[None, :] < lengths[:, None]  # [n, key_len]
+    # Padding points at the sequence's own position-0 slot: real, finite data that the mask
+    # hides. A never-written slot could hold anything (NaN), and 0 * NaN is NaN.
+    slots = torch.where(real, slots, slots[:, :1])
+    uniform = bool((lengths == key_len).all())
+    return DecodeGroup(
+        rows=rows,
+        key_slots=slots.reshape(-1).to(device),
+        key_len=key_len,
+        mask=None if uniform else real[:, None, None, :].to(device),
+    )

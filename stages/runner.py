@@ -1,0 +1,276 @@
+"""A pipeline stage as the ring's event loop sees it: `Stage`, and the real one, `StageRunner`.
+
+The ring drives any `Stage` the same way:
+
+    stage.num_kv_blocks           # what this stage could hold; the ring agrees the minimum
+    stage.allocate_kv(agreed)     # once, before the first run
+    out = stage.run(chunks, **previous_out)   # every step
+
+A non-last stage returns {"hidden_states": [T, d], "residual": [T, d]}, the seam payload the
+next stage's `run` takes as keyword arguments; the last stage returns a `SampleResult` with one
+token per chunk whose `sample` flag is set. The ring's simulated stage implements the same
+interface without a model.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from protocol.sampling import SamplingParams
+from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
+from stages.config import ModelConfig
+from stages.inputs import ForwardInputs, build_inputs
+from stages.kv_cache import KVCache, num_blocks_for_budget
+from stages.llama import LlamaStage
+from stages.partition import layer_range, partition_from_env, partition_layers
+from stages.sampler import GREEDY, sample
+from stages.weights import load_stage_weights, to_torch_dtype
+
+logger = logging.getLogger(__name__)
+
+StageOutput = dict[str, torch.Tensor] | SampleResult
+
+
+class Stage(ABC):
+    """One pipeline stage: layers [start_layer, end_layer) and their KV cache."""
+
+    is_first_stage: bool
+    is_last_stage: bool
+
+    @property
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """KV blocks this stage can hold within its budget (before the ring agrees a minimum)."""
+
+    @abstractmethod
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Build the KV cache with the agreed block count (<= num_kv_blocks), before the first
+        run. Calling it again replaces the cache (and forgets what it held)."""
+
+    @abstractmethod
+    def run(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> StageOutput:
+        """Run one step on `chunks`.
+
+        hidden_states, residual: [T, d] from the previous stage (None on the first stage).
+        sampling, histories: last stage only, one entry per chunk (entries of chunks that do
+        not sample are ignored); sampling None means greedy; a history (prompt + output ids so
+        far) is needed only by a request with a repetition penalty. A seeded request's draw
+        depends only on (seed, chunk.seq_len), never on the rest of the batch.
+
+        Tensors passed in are only read, so they may be read-only views of received frames;
+        tensors returned are fresh each call and never written again by the stage, so they may
+        be handed to the transport without a copy.
+        """
+
+
+class StageRunner(Stage):
+    """The real stage: loads its own weights from a Hugging Face folder and runs them."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        start_layer: int,
+        end_layer: int,
+        *,
+        kv_budget_bytes: int,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        rank: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:
+            # One stage per process: stages sharing a host must split its cores, or their
+            # OpenMP thread pools fight and every op slows down many times over.
+            torch.set_num_threads(num_threads)
+        self.config = ModelConfig.from_folder(model_dir)
+        if not 0 <= start_layer < end_layer <= self.config.num_layers:
+            raise ValueError(
+                f"layer range [{start_layer}, {end_layer}) is not inside the model's "
+                f"{self.config.num_layers} layers"
+            )
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.dtype = to_torch_dtype(dtype)
+        self.device = torch.device(device)
+        self.log_prefix = f"[pp{rank}]" if rank is not None else f"[L{start_layer}-{end_layer}]"
+        weights = load_stage_weights(
+            model_dir, self.config, start_layer, end_layer, self.dtype, self.device
+        )
+        self.num_tensors_read = weights.num_tensors_read
+        self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer)
+        self.is_first_stage = self.model.is_first_stage
+        self.is_last_stage = self.model.is_last_stage
+        # What `run` does with the layers' output is fixed by the role, chosen once here.
+        self._finish = self._sample if self.is_last_stage else self._hand_on
+        self._num_kv_blocks = num_blocks_for_budget(
+            self.config, self.num_local_layers, kv_budget_bytes, self.dtype
+        )
+        self.kv: KVCache | None = None
+        logger.info(
+            "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s on %s; KV budget %.1f MiB "
+            "holds %d blocks (%d tokens)",
+            self.log_prefix,
+            start_layer,
+            end_layer,
+            self.num_tensors_read,
+            self.parameter_bytes / 2**20,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            kv_budget_bytes / 2**20,
+            self._num_kv_blocks,
+            self._num_kv_blocks * BLOCK_SIZE,
+        )
+
+    @classmethod
+    def for_rank(
+        cls,
+        model_dir: str | Path,
+        pp_size: int,
+        rank: int,
+        *,
+        kv_budget_bytes: int,
+        partition: list[int] | None = None,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
+    ) -> StageRunner:
+        """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
+        else the default rule."""
+        num_layers = ModelConfig.from_folder(model_dir).num_layers
+        if partition is None:
+            partition = partition_from_env(num_layers, pp_size)
+        else:
+            partition = partition_layers(num_layers, pp_size, ",".join(map(str, partition)))
+        start, end = layer_range(partition, rank)
+        return cls(
+            model_dir,
+            start,
+            end,
+            kv_budget_bytes=kv_budget_bytes,
+            dtype=dtype,
+            device=device,
+            rank=rank,
+            num_threads=num_threads,
+        )
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of weights this stage holds (a tied embedding counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        if not 0 < num_blocks <= self._num_kv_blocks:
+            raise ValueError(
+                f"{self.log_prefix} cannot allocate {num_blocks} KV blocks; its budget holds "
+                f"{self._num_kv_blocks}"
+            )
+        self.kv = None  # free the old cache before allocating the new one
+        self.kv = KVCache(
+            self.num_local_layers,
+            num_blocks,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        logger.info(
+            "%s KV cache: %d blocks, %.1f MiB", self.log_prefix, num_blocks, self.kv.nbytes / 2**20
+        )
+
+    def run(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> StageOutput:
+        inputs, h, residual = self._forward(chunks, hidden_states, residual)
+        return self._finish(chunks, inputs, h, residual, sampling, histories)
+
+    def forward_logits(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        all_rows: bool = False,
+    ) -> torch.Tensor:
+        """Last stage: run `chunks` and return fp32 logits, [T, V] for every row if `all_rows`,
+        else [num_sampled, V] for the sampled rows. For parity tests and tools."""
+        if not self.is_last_stage:
+            raise ValueError(f"{self.log_prefix} is not the last stage; it has no lm_head")
+        inputs, h, residual = self._forward(chunks, hidden_states, residual)
+        rows = None if all_rows else inputs.sample_rows
+        with torch.inference_mode():
+            return self.model.compute_logits(h, residual, rows).float()
+
+    def _forward(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor]:
+        if self.kv is None:
+            raise RuntimeError(f"{self.log_prefix} has no KV cache; call allocate_kv first")
+        inputs = build_inputs(chunks, self.device)
+        with torch.inference_mode():
+            h, residual = self.model(inputs, self.kv, hidden_states, residual)
+        return inputs, h, residual
+
+    def _hand_on(
+        self,
+        chunks: list[SeqChunk],
+        inputs: ForwardInputs,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        sampling: Sequence[SamplingParams | None] | None,
+        histories: Sequence[Sequence[int] | None] | None,
+    ) -> dict[str, torch.Tensor]:
+        return {"hidden_states": h, "residual": residual}  # the seam payload, both [T, d]
+
+    def _sample(
+        self,
+        chunks: list[SeqChunk],
+        inputs: ForwardInputs,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        sampling: Sequence[SamplingParams | None] | None,
+        histories: Sequence[Sequence[int] | None] | None,
+    ) -> SampleResult:
+        picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if not picked:
+            return SampleResult(token_ids=[])
+        with torch.inference_mode():
+            logits = self.model.compute_logits(h, residual, inputs.sample_rows)  # [N, V]
+            return sample(
+                logits,
+                [(sampling[i] if sampling is not None else None) or GREEDY for i in picked],
+                # A token's seed position is where it lands in the sequence.
+                [chunks[i].seq_len for i in picked],
+                None if histories is None else [histories[i] for i in picked],
+            )
+
+
+def empty_seam() -> dict[str, torch.Tensor]:
+    """The seam payload of an empty micro-batch: the ring still sends one per step (its steps
+    must stay consecutive), but no stage runs a forward for it."""
+    return {"hidden_states": torch.empty(0, 0), "residual": torch.empty(0, 0)}

@@ -1,0 +1,138 @@
+"""Turn the last stage's logits into tokens: greedy, temperature, top-k, top-p, min-p,
+repetition penalty, per-request seeds.
+
+Order of processing (that of transformers' logits processors): repetition penalty on the raw
+logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. top-p and min-p
+act on the distribution left after the earlier filters (renormalised).
+
+Sampling is an exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d., which draws
+exactly from p. A seeded request draws its E from its own generator, seeded from (seed,
+position), so it gets the same tokens whatever else is in the batch and on every stage layout.
+
+Logprobs are of the chosen token under the raw model distribution (log_softmax of the logits
+before penalty, temperature and filters), which is what vLLM and SGLang return by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from protocol.sampling import SamplingParams
+from stages.batch import SampleResult
+
+GREEDY = SamplingParams(temperature=0.0)
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
+) -> SampleResult:
+    """logits [N, V]; one SamplingParams, one position (that of the token being sampled) and
+    optionally one history (prompt + output token ids, for the repetition penalty) per row."""
+    if logits.shape[0] != len(params) or len(params) != len(positions):
+        raise ValueError("sample() needs one SamplingParams and one position per logits row")
+    raw = logits.float()  # [N, V]
+    processed = _apply_repetition_penalty(raw, params, histories)
+    greedy = [p.is_greedy for p in params]
+    if all(greedy):
+        tokens = processed.argmax(dim=-1)  # [N]; the common fast path: one op for the batch
+    else:
+        tokens = processed.argmax(dim=-1)
+        rows = [i for i, g in enumerate(greedy) if not g]
+        row_index = torch.tensor(rows, device=raw.device)
+        sampled = _sample_rows(
+            processed.index_select(0, row_index),
+            [params[i] for i in rows],
+            [positions[i] for i in rows],
+        )
+        tokens.index_copy_(0, row_index, sampled)
+    logprobs = None
+    if any(p.logprobs for p in params):
+        chosen = raw.log_softmax(dim=-1).gather(1, tokens[:, None])  # [N, 1]
+        logprobs = chosen.squeeze(1).tolist()
+    return SampleResult(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    histories: Sequence[Sequence[int] | None] | None,
+) -> torch.Tensor:
+    """Tokens seen in the request so far: positive logits divided by the penalty, negative ones
+    multiplied (so a penalty > 1 always makes them less likely)."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("a repetition penalty needs the request's token history")
+    logits = logits.clone()
+    for i in rows:
+        history = histories[i]
+        if not history:
+            continue
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
+        values = logits[i, seen]
+        penalty = params[i].repetition_penalty
+        logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+    return logits
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> torch.Tensor:
+    """Random sampling for rows with temperature > 0: logits [R, V] -> tokens [R]."""
+    device = logits.device
+    num_rows, vocab = logits.shape
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    x = logits / temperature[:, None]  # [R, V]
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if min(top_k) < vocab:
+        # Keep logits >= the k-th largest (ties at the boundary are kept too).
+        kth_values = x.topk(max(top_k), dim=-1).values  # [R, kmax]
+        k_index = torch.tensor(top_k, device=device)[:, None].clamp_max(kth_values.shape[1]) - 1
+        threshold = kth_values.gather(1, k_index)  # [R, 1]
+        full = torch.tensor([k == vocab for k in top_k], device=device)[:, None]
+        x = x.masked_fill((x < threshold) & ~full, float("-inf"))
+
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]  # [R, 1]
+    if bool((top_p < 1.0).any()):
+        probs = x.softmax(dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+
+    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    if bool((min_p > 0.0).any()):
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+    probs = x.softmax(dim=-1)  # [R, V]
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_mix_seed(p.seed, positions[i]))
+            noise[i].exponential_(generator=generator)
+    # Exp(1) is almost surely > 0; clamp so a zero can never turn 0 / 0 into a NaN winner.
+    return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+
+
+def _mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, token position): splitmix64 finaliser, so
+    neighbouring positions get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)

@@ -1,0 +1,137 @@
+"""Read one stage's weights, and only those, from a local Hugging Face safetensors folder.
+
+A stage owning layers [start, end) reads `model.layers.{i}.*` for those i, plus the embedding on
+the first stage and the final norm and lm_head on the last. `safe_open` maps each file and reads
+a tensor only when asked, so a 70B checkpoint costs a stage only its own share of memory and I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from stages.config import ModelConfig
+from stages.errors import ConfigError
+
+# Names inside one decoder layer, relative to `model.layers.{i}.`.
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StageWeights:
+    # Keyed by checkpoint name; with tied embeddings the last stage's "lm_head.weight" is the
+    # embedding matrix (the same tensor object as "model.embed_tokens.weight" when both are here).
+    tensors: dict[str, torch.Tensor]
+    num_tensors_read: int  # tensors actually read from disk (a test checks only own ones are)
+
+
+def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a --dtype name; only float32, bfloat16 and float16 are allowed."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in TORCH_DTYPES.values():
+            return dtype
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError(f"--dtype {dtype} is not supported; use float32 or bfloat16")
+    return TORCH_DTYPES[dtype]
+
+
+def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
+    """Checkpoint names stage [start, end) needs. With tied embeddings the last stage lists the
+    embedding in place of lm_head, since that is what it reads."""
+    names = []
+    if start == 0:
+        names.append(EMBED)
+    for layer in range(start, end):
+        names.extend(f"model.layers.{layer}.{suffix}" for suffix in LAYER_TENSORS)
+    if end == config.num_layers:
+        names.append(FINAL_NORM)
+        head = EMBED if config.tie_word_embeddings else LM_HEAD
+        if head not in names:
+            names.append(head)
+    return names
+
+
+def load_stage_weights(
+    folder: str | Path,
+    config: ModelConfig,
+    start: int,
+    end: int,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> StageWeights:
+    folder = Path(folder)
+    torch_dtype = to_torch_dtype(dtype)
+    names = stage_tensor_names(config, start, end)
+    locations = _tensor_locations(folder)
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        if name not in locations:
+            raise ConfigError(_missing_message(name, folder, config))
+        by_file.setdefault(locations[name], []).append(name)
+
+    tensors: dict[str, torch.Tensor] = {}
+    num_read = 0
+    for file, file_names in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in file_names:
+                # copy=True: get_tensor may hand back pages of the memory-mapped file, which
+                # the kernel can drop and fault back in from disk mid-forward; own the memory.
+                tensor = handle.get_tensor(name)
+                tensors[name] = tensor.to(device=device, dtype=torch_dtype, copy=True)
+                num_read += 1
+    if end == config.num_layers:
+        tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
+    return StageWeights(tensors=tensors, num_tensors_read=num_read)
+
+
+def _tensor_locations(folder: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it."""
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        return {name: folder / file for name, file in weight_map.items()}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"{folder} has no *.safetensors files; export the model with safetensors "
+            "(save_pretrained(..., safe_serialization=True))"
+        )
+    locations: dict[str, Path] = {}
+    for file in files:
+        # Opening a file reads only its JSON header, not the tensors.
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                locations[name] = file
+    return locations
+
+
+def _missing_message(name: str, folder: Path, config: ModelConfig) -> str:
+    if name == LM_HEAD:
+        return (
+            f"{folder} has no {LM_HEAD} and its config.json says tie_word_embeddings=false; "
+            "add the tensor or set tie_word_embeddings=true if the model shares its embedding"
+        )
+    return (
+        f"tensor {name} is missing from {folder}; the checkpoint is incomplete or not a "
+        f"{config.architecture}, so re-export it"
+    )

@@ -1,0 +1,214 @@
+"""Fixtures for stage tests: tiny random Llama folders (session-scoped), their transformers
+reference models, and `Chain`, which runs stages 0..S-1 in one process as the ring would."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from protocol.sampling import SamplingParams
+from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
+from stages.partition import layer_range
+from stages.runner import StageRunner
+from tests.tiny_llama import make_tiny_llama
+
+KV_BUDGET = 4 << 20  # bytes per stage: hundreds of blocks for the tiny models
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so positions in the tests cross all three frequency bands.
+    "original_max_position_embeddings": 32,
+}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline_hub() -> Iterator[None]:
+    # Nothing here may reach a model hub; transformers honours this for every from_pretrained.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> folder. All have 4 layers; "gqa" is the plain untied GQA model."""
+    root = tmp_path_factory.mktemp("tiny-llamas")
+    return {
+        "gqa": make_tiny_llama(root / "gqa", seed=1),
+        "tied": make_tiny_llama(root / "tied", tied=True, kv_heads=4, seed=2),
+        "llama3": make_tiny_llama(root / "llama3", rope_scaling=LLAMA3_SCALING, seed=3),
+        "linear": make_tiny_llama(
+            root / "linear", rope_scaling={"rope_type": "linear", "factor": 4.0}, seed=4
+        ),
+        "mqa": make_tiny_llama(root / "mqa", heads=8, kv_heads=1, hidden=64, seed=5),
+    }
+
+
+_HF_CACHE: dict[Path, LlamaForCausalLM] = {}
+
+
+def hf_model(folder: Path) -> LlamaForCausalLM:
+    """The transformers reference model for a folder, loaded once per session."""
+    if folder not in _HF_CACHE:
+        _HF_CACHE[folder] = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return _HF_CACHE[folder]
+
+
+@torch.inference_mode()
+def hf_logits(folder: Path, token_ids: Sequence[int]) -> torch.Tensor:
+    """[len, V] fp32 logits of one unpadded sequence from transformers."""
+    return hf_model(folder)(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+class BlockPool:
+    """Hands out KV blocks like the ring's bookkeeping would; scattered = shuffled free list."""
+
+    def __init__(self, num_blocks: int, scattered: bool = True, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        if scattered:
+            random.Random(seed).shuffle(self.free)
+        else:
+            self.free.reverse()  # pop() then yields 0, 1, 2, ...
+        self.used: set[int] = set()
+
+    def grow(self, table: list[int], num_tokens: int) -> list[int]:
+        while len(table) * BLOCK_SIZE < num_tokens:
+            block = self.free.pop()
+            self.used.add(block)
+            table.append(block)
+        return table
+
+
+class Chain:
+    """Stages 0..S-1 of one model chained in this process, sharing block tables."""
+
+    def __init__(
+        self,
+        folder: Path,
+        partition: list[int],
+        *,
+        dtype: str = "float32",
+        kv_budget_bytes: int = KV_BUDGET,
+        scattered: bool = True,
+        poison: bool = False,
+    ) -> None:
+        self.stages = [
+            StageRunner(
+                folder,
+                *layer_range(partition, rank),
+                kv_budget_bytes=kv_budget_bytes,
+                dtype=dtype,
+                rank=rank,
+            )
+            for rank in range(len(partition))
+        ]
+        agreed = min(stage.num_kv_blocks for stage in self.stages)
+        for stage in self.stages:
+            stage.allocate_kv(agreed)
+            if poison:
+                # Any read of a slot no sequence wrote now turns the logits into NaN.
+                assert stage.kv is not None
+                stage.kv.data.fill_(float("nan"))
+        self.blocks = BlockPool(agreed, scattered=scattered)
+
+    def _through(self, chunks: list[SeqChunk]) -> dict[str, torch.Tensor]:
+        seam: dict[str, torch.Tensor] = {}
+        for stage in self.stages[:-1]:
+            out = stage.run(chunks, **seam)
+            assert isinstance(out, dict)
+            seam = out
+        return seam
+
+    def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """[T, V] logits of every row of the batch."""
+        return self.stages[-1].forward_logits(chunks, **self._through(chunks), all_rows=True)
+
+    def sample(
+        self,
+        chunks: list[SeqChunk],
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> SampleResult:
+        seam = self._through(chunks)
+        out = self.stages[-1].run(chunks, **seam, sampling=sampling, histories=histories)
+        assert isinstance(out, SampleResult)
+        return out
+
+
+def drive_teacher_forced(
+    chain: Chain,
+    seqs: list[list[int]],
+    prompt_lens: list[int],
+    chunk_size: int | None = None,
+    stagger: int = 0,
+) -> list[torch.Tensor]:
+    """Feed each sequence through `chain`: its prompt in prefill chunks of `chunk_size` (whole if
+    None), then one token per step (decode) until the sequence ends; request i joins at step
+    i * stagger. Every step is one batch mixing whatever each request needs. Returns each
+    sequence's [len, V] logits, row p for position p."""
+    done = [0] * len(seqs)
+    tables: list[list[int]] = [[] for _ in seqs]
+    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
+    step = 0
+    while any(done[i] < len(seq) for i, seq in enumerate(seqs)):
+        chunks, owners = [], []
+        for i, seq in enumerate(seqs):
+            if step < i * stagger or done[i] >= len(seq):
+                continue
+            if done[i] < prompt_lens[i]:
+                size = chunk_size or prompt_lens[i]
+                end = min(done[i] + size, prompt_lens[i])
+            else:
+                end = done[i] + 1
+            chain.blocks.grow(tables[i], end)
+            chunks.append(SeqChunk(seq[done[i] : end], done[i], list(tables[i]), sample=True))
+            owners.append(i)
+        step += 1
+        if not chunks:
+            continue
+        logits = chain.logits(chunks)
+        row = 0
+        for chunk, i in zip(chunks, owners):
+            rows[i].append(logits[row : row + chunk.num_tokens])
+            row += chunk.num_tokens
+            done[i] += chunk.num_tokens
+    return [torch.cat(r) for r in rows]
+
+
+def greedy_generate(
+    chain: Chain, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = ()
+) -> list[list[int]]:
+    """Batched greedy generation through the chain (prefill together, then decode together);
+    a request stops at an eos id (kept in its output) or after max_new_tokens."""
+    tables = [chain.blocks.grow([], len(p) + max_new_tokens) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    chunks = [SeqChunk(list(p), 0, tables[i], sample=True) for i, p in enumerate(prompts)]
+    owners = list(range(len(prompts)))
+    while chunks:
+        tokens = chain.sample(chunks).token_ids
+        next_chunks, next_owners = [], []
+        for chunk, i, token in zip(chunks, owners, tokens):
+            outputs[i].append(token)
+            if token in eos_ids or len(outputs[i]) >= max_new_tokens:
+                continue
+            next_chunks.append(SeqChunk([token], chunk.seq_len, tables[i], sample=True))
+            next_owners.append(i)
+        chunks, owners = next_chunks, next_owners
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def chain_factory() -> Callable[..., Chain]:
+    return Chain
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds (the default model)")

@@ -1,0 +1,107 @@
+"""The default model (SmolLM2-135M-Instruct, DESIGN.md §9) through chained stages equals
+transformers on the same converted folder: logits for S = 1..4, and greedy generation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from stages.config import ModelConfig
+from tests.stages.conftest import Chain, drive_teacher_forced, greedy_generate
+
+try:
+    from launch.prepare_model import prepare_default_model
+except ImportError as exc:  # pragma: no cover - only while launch/ is being written
+    pytest.skip(f"launch.prepare_model is not importable ({exc})", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colours:",
+    "Water boils at",
+]
+KV_BUDGET = 64 << 20
+LOGIT_TOLERANCE = 2e-3
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return prepare_default_model(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: Path) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer(text)["input_ids"] for text in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir: Path) -> Iterator[LlamaForCausalLM]:
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    yield model
+    del model
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                top_p=None,
+                top_k=None,
+                temperature=None,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def test_config_is_the_default_model(model_dir: Path) -> None:
+    config = ModelConfig.from_folder(model_dir)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (
+        30,
+        576,
+        9,
+        3,
+    )
+    assert config.tie_word_embeddings and config.vocab_size == 49152
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 3, 4])
+def test_logits_match_transformers(
+    model_dir: Path, hf: LlamaForCausalLM, prompts: list[list[int]], pp_size: int
+) -> None:
+    from stages.partition import default_partition
+
+    chain = Chain(model_dir, default_partition(30, pp_size), kv_budget_bytes=KV_BUDGET)
+    # Prompts plus 4 teacher-forced decode steps, prefilled in chunks of 4 tokens.
+    seqs = [p + [260, 1012, 30, 7] for p in prompts]
+    got = drive_teacher_forced(chain, seqs, [len(p) for p in prompts], chunk_size=4, stagger=1)
+    with torch.inference_mode():
+        for seq, logits in zip(seqs, got):
+            expected = hf(torch.tensor([seq])).logits[0].float()
+            diff = (logits - expected).abs().max().item()
+            assert diff < LOGIT_TOLERANCE, f"S={pp_size}: max abs diff {diff:.2e}"
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 3, 4])
+def test_greedy_generation_matches_transformers(
+    model_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]], pp_size: int
+) -> None:
+    from stages.partition import default_partition
+
+    chain = Chain(model_dir, default_partition(30, pp_size), kv_budget_bytes=KV_BUDGET)
+    eos = ModelConfig.from_folder(model_dir).eos_token_ids
+    got = greedy_generate(chain, prompts, NEW_TOKENS, eos)
+    assert got == hf_greedy

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from protocol.sampling import SamplingParams
+from stages.sampler import GREEDY, sample
+
+VOCAB = 50
+
+
+def make_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=generator) * 3  # [rows, V]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = make_logits(8)
+    result = sample(logits, [GREEDY] * 8, positions=list(range(8)))
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+    assert result.logprobs is None
+
+
+def test_greedy_rows_stay_argmax_beside_sampled_rows() -> None:
+    logits = make_logits(4)
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=3)] * 2
+    result = sample(logits, params, positions=[5] * 4)
+    assert result.token_ids[0] == logits[0].argmax().item()
+    assert result.token_ids[2] == logits[2].argmax().item()
+
+
+def test_seeded_request_is_independent_of_its_batch() -> None:
+    row = make_logits(1, seed=1)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=30, seed=1234)
+    alone = [sample(row, [params], positions=[p]).token_ids[0] for p in range(40)]
+    others = make_logits(5, seed=2)
+    in_batch = []
+    for p in range(40):
+        batch = torch.cat([others[:2], row, others[2:]])
+        mixed = [
+            SamplingParams(temperature=1.0),  # unseeded
+            GREEDY,
+            params,
+            SamplingParams(temperature=2.0, seed=7),
+            SamplingParams(temperature=0.5, min_p=0.1),
+            SamplingParams(temperature=1.0, repetition_penalty=1.3),
+        ]
+        out = sample(batch, mixed, positions=[p + 100, p, p, p, 3, 9], histories=[[]] * 6)
+        in_batch.append(out.token_ids[2])
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # positions give different draws, not one repeated token
+
+
+def test_different_seeds_give_different_streams() -> None:
+    row = make_logits(1, seed=1)
+    streams = {
+        tuple(
+            sample(row, [SamplingParams(temperature=1.0, seed=s)], positions=[p]).token_ids[0]
+            for p in range(20)
+        )
+        for s in range(5)
+    }
+    assert len(streams) == 5
+
+
+def draws(logits_row: torch.Tensor, params: SamplingParams, count: int = 400) -> Counter[int]:
+    """`count` draws from one distribution, as one batch of differently seeded rows."""
+    batch = logits_row.expand(count, -1)
+    seeded = [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(count)]
+    return Counter(sample(batch, seeded, positions=[0] * count).token_ids)
+
+
+def test_top_k_samples_only_the_k_most_likely() -> None:
+    row = make_logits(1, seed=3)[0]
+    allowed = set(row.topk(5).indices.tolist())
+    got = draws(row, SamplingParams(temperature=1.5, top_k=5))
+    assert set(got) <= allowed
+    assert len(got) == 5
+
+
+def test_top_p_samples_only_the_nucleus() -> None:
+    row = make_logits(1, seed=4)[0]
+    probs = row.softmax(-1)
+    sorted_probs, order = probs.sort(descending=True)
+    # smallest prefix whose mass reaches 0.8
+    size = int((sorted_probs.cumsum(0) < 0.8).sum().item()) + 1
+    allowed = set(order[:size].tolist())
+    got = draws(row, SamplingParams(temperature=1.0, top_p=0.8))
+    assert set(got) <= allowed
+    assert len(got) > 1
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best() -> None:
+    row = make_logits(1, seed=5)[0] / 3  # flatter, so several tokens pass the bar
+    probs = row.softmax(-1)
+    allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    got = draws(row, SamplingParams(temperature=1.0, min_p=0.2))
+    assert set(got) <= allowed
+    assert len(allowed) > 1 and len(got) > 1
+
+
+def test_sampling_follows_the_distribution() -> None:
+    row = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)))
+    got = draws(row, SamplingParams(temperature=1.0), count=4000)
+    for token, p in enumerate([0.5, 0.3, 0.15, 0.05]):
+        sigma = math.sqrt(p * (1 - p) / 4000)
+        assert abs(got[token] / 4000 - p) < 5 * sigma
+
+
+def test_temperature_sharpens() -> None:
+    row = torch.log(torch.tensor([0.6, 0.4] + [1e-9] * (VOCAB - 2)))
+    cold = draws(row, SamplingParams(temperature=0.05), count=500)
+    assert cold[0] >= 495  # (0.6 / 0.4)^20 > 3000: the first token nearly always
+
+
+def test_repetition_penalty_pushes_seen_tokens_down() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 2.0  # best, and seen
+    logits[:, 8] = 1.5
+    logits[:, 9] = -1.0  # seen, negative: multiplied, so it goes further down
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    out = sample(logits, [params, GREEDY], positions=[0, 0], histories=[[7, 9, 7], [7, 9]])
+    assert out.token_ids == [8, 7]  # 2.0 / 2 = 1.0 < 1.5; the unpenalised row keeps 7
+
+
+def test_repetition_penalty_needs_history() -> None:
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="history"):
+        sample(make_logits(1), [params], positions=[0])
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = make_logits(3, seed=6)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=0.7, top_k=3, seed=1, logprobs=True),
+        GREEDY,
+    ]
+    out = sample(logits, params, positions=[0, 0, 0])
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+    assert out.logprobs is not None
+    assert torch.allclose(torch.tensor(out.logprobs), expected)
+
+
+def test_mismatched_lengths_fail() -> None:
+    with pytest.raises(ValueError):
+        sample(make_logits(2), [GREEDY], positions=[0])
