@@ -236,3 +236,21 @@ def _split_router(frames: list[Any], limits: Limits) -> tuple[bytes, Any]:
         return identity, decode(frames[1:], limits)
     except ProtocolError as exc:
         raise BadClientMessage(identity, str(exc)) from None
+
+
+class AsyncPullChannel(_Channel):
+    """PullChannel for asyncio: the frontend's end of stage 0's deltas."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        bind: bool = True,
+        ctx: zmq.asyncio.Context | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        ctx = ctx or zmq.asyncio.Context.instance()
+        super().__init__(_open(ctx, zmq.PULL, addr, bind), addr, limits or Limits())
+
+    async def recv(self) -> Any:
+        return decode(await self.sock.recv_multipart(copy=False), self.limits)

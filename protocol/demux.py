@@ -38,17 +38,19 @@ class DemuxReceiver:
         self.next_step: dict[str, int] = {kind: 0 for kind in SEQUENCED_KINDS}
         self.num_dropped = 0
 
-    def recv(self, kind: str, timeout_s: float | None = None) -> Any:
-        """The next message of `kind`; stashes others. Raises ChannelTimeout or SequenceError."""
+    def recv(self, kind: str, timeout_s: float | None = None, also: tuple[str, ...] = ()) -> Any:
+        """The next message of `kind`, or of one of the `also` kinds if one comes first (the
+        ring loop passes `also=("ctrl",)` so an error or shutdown wakes it from any wait).
+        Stashes every other kind. Raises ChannelTimeout or SequenceError."""
         if kind not in self.stash:
             raise ValueError(f"unknown message kind {kind!r}")
-        if self.stash[kind]:
-            return self.stash[kind].popleft()
+        for wanted in (*also, kind):
+            if self.stash[wanted]:
+                return self.stash[wanted].popleft()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise ChannelTimeout(f"no {kind} message within {timeout_s:.3g} s")
+            # Never below zero: a zero timeout still reads what is already queued.
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 msg = self._recv_one(remaining)
             except ChannelTimeout:
@@ -57,7 +59,7 @@ class DemuxReceiver:
                 ) from None
             if msg is None:
                 continue
-            if msg.kind == kind:
+            if msg.kind == kind or msg.kind in also:
                 return msg
             self.stash[msg.kind].append(msg)
 

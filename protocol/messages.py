@@ -1,6 +1,7 @@
 """Every message kind on the wire: one frozen dataclass per kind.
 
-Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`); client kinds travel
+Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`) and between stage 0 and the
+frontend (`reqs` in, `deltas` out); client kinds travel
 between a client and the frontend (`generate`, `abort`, `chunk`, `done`, `error`). Fields typed
 `Tensor` travel as raw frames after the msgpack header (protocol/codec.py); every other field
 travels inside the header and is type-checked on decode (protocol/schema.py).
@@ -102,6 +103,30 @@ class Ctrl:
             raise ProtocolError(f"ctrl op must be one of {', '.join(CTRL_OPS)}, got {self.op!r}")
 
 
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step did to one request, as stage 0 tells the frontend."""
+
+    rid: str
+    token_id: int  # the new token, or -1 when the request finished without one (abort, reject)
+    logprob: float | None
+    finish_reason: str  # "" while the request goes on
+    error: str = ""  # why, when finish_reason is "error"
+
+    def __post_init__(self) -> None:
+        if self.finish_reason and self.finish_reason not in FINISH_REASONS:
+            raise ProtocolError(f"finish_reason must be one of {', '.join(FINISH_REASONS)}")
+
+
+@dataclass(frozen=True)
+class Deltas:
+    """Stage 0 to the frontend: new tokens and finishes, one message per step that has any."""
+
+    kind: ClassVar[str] = "deltas"
+    step: int
+    deltas: list[RequestDelta]
+
+
 # ---------------------------------------------------------------------------------------------
 # Client messages
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +213,7 @@ class Error:
     message: str
 
 
-RING_KINDS: dict[str, type] = {cls.kind: cls for cls in (Reqs, Proxy, Output, Ctrl)}
+RING_KINDS: dict[str, type] = {cls.kind: cls for cls in (Reqs, Proxy, Output, Ctrl, Deltas)}
 CLIENT_KINDS: dict[str, type] = {cls.kind: cls for cls in (Generate, Abort, Chunk, Done, Error)}
 ALL_KINDS: dict[str, type] = {**RING_KINDS, **CLIENT_KINDS}
 

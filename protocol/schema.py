@@ -50,8 +50,15 @@ def tensor_fields(cls: type) -> tuple[str, ...]:
     return tuple(name for name, tp in field_types(cls).items() if tp is TensorField)
 
 
+_SCALARS = (int, float, str, bool, type(None))
+
+
 def to_wire(value: Any) -> Any:
     """A dataclass (possibly nested) as plain dicts and lists, without copying tensors."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, list) and all(isinstance(v, _SCALARS) for v in value):
+        return value  # token ids, logprobs: msgpack takes the list as it is
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, list):
@@ -94,10 +101,27 @@ def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
         raise ProtocolError(f"invalid {cls.__name__}: {exc}") from None
 
 
+@functools.cache
+def _shape(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    return typing.get_origin(tp), typing.get_args(tp)
+
+
+# For a list of these, one pass of `type(v) is T` accepts the common case without per-item
+# calls (bool is not int here, as everywhere in the schema).
+_FAST_ITEM_TYPES = {int: (int,), float: (float, int), str: (str,)}
+
+
 def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
-    origin = typing.get_origin(tp)
+    origin, args = _shape(tp)
+    if origin is list and isinstance(value, list) and len(value) <= limits.max_list_len:
+        fast = _FAST_ITEM_TYPES.get(args[0])
+        if fast is not None and all(type(v) in fast for v in value):
+            if args[0] is float:
+                return [float(v) for v in value]
+            if args[0] is not str or all(len(v) <= limits.max_str_len for v in value):
+                return value
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
+        options = args
         if value is None and type(None) in options:
             return None
         (inner,) = [t for t in options if t is not type(None)]
@@ -125,10 +149,10 @@ def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
             raise ProtocolError(f"field {path} must be a list")
         if len(value) > limits.max_list_len:
             raise ProtocolError(f"field {path} has more than {limits.max_list_len} entries")
-        (item_tp,) = typing.get_args(tp)
+        (item_tp,) = args
         return [_check(v, item_tp, f"{path}[{i}]", limits) for i, v in enumerate(value)]
     if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
+        _, value_tp = args
         if not isinstance(value, dict):
             raise ProtocolError(f"field {path} must be a map")
         out = {}

@@ -12,6 +12,7 @@ from protocol.messages import (
     ChatMessage,
     Chunk,
     Ctrl,
+    Deltas,
     Done,
     Error,
     Generate,
@@ -19,6 +20,7 @@ from protocol.messages import (
     Output,
     Proxy,
     Reqs,
+    RequestDelta,
 )
 from protocol.sampling import SamplingParams
 
@@ -72,6 +74,13 @@ def sample_messages() -> list:
         Output(slot=3, step=11, digest="d2", token_ids=[4, 5], logprobs=[-0.5, -1.25]),
         Output(slot=0, step=0, digest="", token_ids=[]),
         Ctrl(op="heartbeat", rank=2, seq=17, info={"addrs": ["tcp://a:1"], "n": 3, "x": None}),
+        Deltas(
+            step=4,
+            deltas=[
+                RequestDelta(rid="a", token_id=5, logprob=-0.5, finish_reason=""),
+                RequestDelta(rid="b", token_id=-1, logprob=None, finish_reason="error", error="x"),
+            ],
+        ),
         Generate(rid="g1", prompt="héllo ✓", sampling=sampling, stop=["\n\n"]),
         Generate(rid="g2", messages=[ChatMessage(role="user", content="hi")]),
         Generate(rid="g3", input_ids=[10, 11]),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -113,3 +114,17 @@ def test_recv_times_out_with_a_clear_error(link):
     with pytest.raises(ChannelTimeout, match="no output message on .* within"):
         receiver.recv("output", timeout_s=0.05)
     assert receiver.poll("output", 0.01) is None
+
+
+def test_a_zero_timeout_still_reads_what_is_queued(link):
+    push, pull = link
+    receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
+    push.send(Reqs(slot=0, step=0))
+    push.send(Ctrl(op="heartbeat", rank=0))
+    deadline = time.monotonic() + 5
+    while not pull.poll(0.01) and time.monotonic() < deadline:
+        pass
+    time.sleep(0.05)  # both messages are in the socket now
+    assert receiver.poll("ctrl", 0).op == "heartbeat"  # reads past the reqs, stashing it
+    assert receiver.pending("reqs") == 1
+    assert receiver.poll("ctrl", 0) is None

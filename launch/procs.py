@@ -1,0 +1,148 @@
+"""Start, watch and stop stage processes by PID; find free ports for a ring on loopback.
+
+Used by the process-ring tests and benches now, and by `ppring local` / `serve`. Every process
+started here is stopped by its own PID (terminate, then kill after a grace period), also when
+the caller fails: never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ring.local import RingDriver
+from ring.topology import RingAddresses
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def find_free_base_port(num_ports: int, host: str = "127.0.0.1", tries: int = 50) -> int:
+    """A base port with `num_ports` consecutive free TCP ports after it (best effort: another
+    process may still take one before we bind it)."""
+    for _ in range(tries):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base + num_ports >= 65535:
+            continue
+        if all(_port_is_free(host, base + i) for i in range(num_ports)):
+            return base
+    raise OSError(f"found no {num_ports} consecutive free ports on {host}")
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class ProcessGroup:
+    """Child processes started together; each stopped by PID."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def start(
+        self, argv: Sequence[str], log_path: Path | None = None, inherit: bool = False
+    ) -> subprocess.Popen:
+        """Start `argv` with its output in `log_path`, or on our stderr if `inherit` (stdout
+        stays ours alone), or discarded."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if log_path:
+            out = open(log_path, "ab")  # noqa: SIM115 - closed below; the child keeps its copy
+        else:
+            out = sys.stderr if inherit else subprocess.DEVNULL
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, env=env)
+        if log_path:
+            out.close()
+        self.procs.append(proc)
+        return proc
+
+    def poll_dead(self) -> list[subprocess.Popen]:
+        return [p for p in self.procs if p.poll() is not None]
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+        return [p.poll() for p in self.procs]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+@dataclass
+class ProcessRing:
+    """S stage processes over loopback TCP and a driver standing in for the frontend."""
+
+    pp_size: int
+    stage_args: list[str] = field(default_factory=list)  # extra flags for every stage
+    log_dir: Path | None = None
+    transport: str = "tcp"
+
+    def __enter__(self) -> ProcessRing:
+        self.base_port = find_free_base_port(self.pp_size + 3)
+        self.run_id = f"ppring-{os.getpid()}-{self.base_port}"
+        self.addrs = RingAddresses(
+            self.pp_size, transport=self.transport, base_port=self.base_port, run_id=self.run_id
+        )
+        self.driver = RingDriver(self.addrs)
+        self.group = ProcessGroup()
+        try:
+            for rank in range(self.pp_size):
+                argv = [
+                    sys.executable, "-m", "launch.stage",
+                    "--rank", str(rank), "--pp-size", str(self.pp_size),
+                    "--port", str(self.base_port), "--transport", self.transport,
+                    "--run-id", self.run_id, *self.stage_args,
+                ]  # fmt: skip
+                log = self.log_dir / f"stage{rank}.log" if self.log_dir else None
+                self.group.start(argv, log)
+        except BaseException:
+            self.group.stop()
+            raise
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.group.procs]
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until stage 0 says the ring agreed its KV capacity."""
+        deadline = time.monotonic() + timeout_s
+        while not any(c.op == "ready" for c in self.driver.ctrl):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ring was not ready within {timeout_s:.0f} s")
+            dead = self.group.poll_dead()
+            if dead:
+                raise RuntimeError(f"a stage exited with {dead[0].returncode} during start-up")
+            self.driver.poll(0.1)
+
+    def shutdown(self, timeout_s: float = 20.0) -> list[int | None]:
+        self.driver.shutdown()
+        return self.group.wait(timeout_s)
+
+    def __exit__(self, *exc: object) -> None:
+        self.group.stop()
+        self.driver.close()

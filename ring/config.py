@@ -1,0 +1,61 @@
+"""The ring's configuration: one frozen dataclass, the same on every stage but for `rank`.
+
+Each process gets `dataclasses.replace(cfg, rank=r)`. What a stage discovers at run time (the
+agreed KV capacity, the model's context length) is passed to the scheduler separately and never
+written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    pp_size: int = 1
+    rank: int = 0
+    pp_async_batch_depth: int = 0
+    max_running_requests: int = 64
+    pp_max_micro_batch_size: int | None = None  # None: max(max_running_requests // pp_size, 1)
+    chunked_prefill_size: int = 512  # prefill tokens per micro-batch, over all requests in it
+    # Liveness. While idle, stage 0 sends a heartbeat around the ring every interval; a stage
+    # that hears nothing for `ring_timeout_s` declares the ring down.
+    heartbeat_interval_s: float = 1.0
+    ring_timeout_s: float = 30.0
+    # Fault injection for tests: (what, rank, step). "diverge": that rank drops the last
+    # request of its decision at that step; "drop": that rank does not send its proxy.
+    debug_fault: tuple[str, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pp_size < 1:
+            raise ValueError(f"--pp-size must be at least 1, got {self.pp_size}")
+        if not 0 <= self.rank < self.pp_size:
+            raise ValueError(f"rank {self.rank} is outside --pp-size {self.pp_size}")
+        if not 0 <= self.pp_async_batch_depth <= 8:
+            raise ValueError("--pp-async-batch-depth must be between 0 and 8")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be at least 1")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError("--pp-max-micro-batch-size must be at least 1")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("--chunked-prefill-size must be at least 1")
+
+    @property
+    def pp_loop_size(self) -> int:
+        """Micro-batch slots in flight: one per stage, plus the async depth (SGLang's rule)."""
+        return self.pp_size + self.pp_async_batch_depth
+
+    @property
+    def micro_batch_cap(self) -> int:
+        """Requests one micro-batch may hold (SGLang's default: the total split over stages)."""
+        if self.pp_max_micro_batch_size is not None:
+            return self.pp_max_micro_batch_size
+        return max(self.max_running_requests // self.pp_size, 1)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank == self.pp_size - 1

@@ -1,0 +1,162 @@
+"""Build a stage's links, and run a whole ring as threads of one process (fast tests, benches).
+
+The thread ring uses the same `StageLoop` and channels as the process ring; only the transport
+differs (`inproc://` in one ZeroMQ context instead of `tcp://`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol.channels import ChannelTimeout, PullChannel, PushChannel
+from protocol.messages import Ctrl, Deltas, NewRequest, Reqs, RequestDelta
+from protocol.sampling import SamplingParams
+from ring.config import RingConfig
+from ring.loop import Links, ModelInfo, StageLoop
+from ring.topology import RingAddresses
+from stages.runner import Stage
+
+
+def build_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
+    """Bind this stage's PULL, connect its PUSH to the next stage; stage 0 also gets the
+    frontend links. Connecting before the peer binds is fine: start-up order is free."""
+    links = Links()
+    if cfg.pp_size > 1:
+        links.prev = PullChannel(addrs.stage(cfg.rank), ctx=ctx)
+        links.next = PushChannel(addrs.next_stage(cfg.rank), ctx=ctx)
+    if cfg.is_first_stage:
+        links.intake = PullChannel(addrs.intake(), ctx=ctx)
+        links.deltas = PushChannel(addrs.deltas(), ctx=ctx)
+    return links
+
+
+class RingDriver:
+    """Stands in for the frontend: sends requests to stage 0 and collects what comes back."""
+
+    def __init__(self, addrs: RingAddresses, ctx: zmq.Context | None = None) -> None:
+        self.deltas = PullChannel(addrs.deltas(), ctx=ctx)
+        self.intake = PushChannel(addrs.intake(), ctx=ctx)
+        self.seq = 0
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, RequestDelta] = {}
+        self.num_finishes: dict[str, int] = {}
+        self.ctrl: list[Ctrl] = []
+
+    def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
+        self.tokens[rid] = []
+        self._send(new=[NewRequest(rid, input_ids, sampling)])
+
+    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        for rid, _, _ in requests:
+            self.tokens[rid] = []
+        self._send(new=[NewRequest(*r) for r in requests])
+
+    def abort(self, rid: str) -> None:
+        self._send(aborts=[rid])
+
+    def shutdown(self) -> None:
+        self.intake.send(Ctrl(op="shutdown", rank=-1))
+
+    def _send(self, new: list | None = None, aborts: list | None = None) -> None:
+        self.intake.send(Reqs(slot=0, step=self.seq, new=new or [], aborts=aborts or []))
+        self.seq += 1
+
+    def poll(self, timeout_s: float) -> bool:
+        """Read whatever arrives within `timeout_s`; False when nothing did."""
+        try:
+            msg = self.deltas.recv(timeout_s)
+        except ChannelTimeout:
+            return False
+        if isinstance(msg, Deltas):
+            for delta in msg.deltas:
+                if delta.token_id >= 0:
+                    self.tokens.setdefault(delta.rid, []).append(delta.token_id)
+                if delta.finish_reason:
+                    self.finished[delta.rid] = delta
+                    self.num_finishes[delta.rid] = self.num_finishes.get(delta.rid, 0) + 1
+        else:
+            self.ctrl.append(msg)
+        return True
+
+    def wait_finished(self, rids: set[str] | list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(rids)
+        while pending - set(self.finished):
+            if time.monotonic() > deadline:
+                missing = sorted(pending - set(self.finished))
+                raise TimeoutError(f"{len(missing)} requests unfinished, e.g. {missing[:5]}")
+            self.poll(0.1)
+            if any(c.op == "error" for c in self.ctrl):
+                raise RuntimeError(f"ring reported an error: {self.ctrl[-1].info}")
+
+    def close(self) -> None:
+        self.intake.close(0)
+        self.deltas.close(0)
+
+
+@dataclass
+class ThreadRing:
+    """S stages as threads over inproc://, plus a driver. Use as a context manager."""
+
+    cfg: RingConfig
+    make_stage: Callable[[RingConfig], Stage]
+    model: ModelInfo
+    run_id: str = "ring"
+    loops: list[StageLoop] = field(default_factory=list)
+    exit_codes: dict[int, int] = field(default_factory=dict)
+
+    def __enter__(self) -> ThreadRing:
+        self.ctx = zmq.Context()
+        self.addrs = RingAddresses(self.cfg.pp_size, transport="inproc", run_id=self.run_id)
+        # Bind every PULL before any PUSH connects (inproc needs the binder first, unlike tcp).
+        self.driver = RingDriver(self.addrs, self.ctx)
+        for rank in range(self.cfg.pp_size):
+            stage_cfg = dataclasses.replace(self.cfg, rank=rank)
+            links = Links()
+            if stage_cfg.pp_size > 1:
+                links.prev = PullChannel(self.addrs.stage(rank), ctx=self.ctx)
+            if stage_cfg.is_first_stage:
+                links.intake = PullChannel(self.addrs.intake(), ctx=self.ctx)
+            self.loops.append(StageLoop(stage_cfg, self.make_stage(stage_cfg), links, self.model))
+        for loop in self.loops:
+            if loop.cfg.pp_size > 1:
+                loop.links.next = PushChannel(self.addrs.next_stage(loop.cfg.rank), ctx=self.ctx)
+            if loop.cfg.is_first_stage:
+                loop.links.deltas = PushChannel(self.addrs.deltas(), ctx=self.ctx)
+        self.driver.intake = PushChannel(self.addrs.intake(), ctx=self.ctx)
+        self.threads = [
+            threading.Thread(target=self._run, args=(loop,), name=f"pp{loop.cfg.rank}", daemon=True)
+            for loop in self.loops
+        ]
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def _run(self, loop: StageLoop) -> None:
+        self.exit_codes[loop.cfg.rank] = loop.run()
+
+    def stop(self, timeout_s: float = 10.0) -> dict[int, int]:
+        """Shut the ring down gracefully; returns each stage's exit code."""
+        self.driver.shutdown()
+        return self.join(timeout_s)
+
+    def join(self, timeout_s: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        return dict(self.exit_codes)
+
+    def __exit__(self, *exc: object) -> None:
+        if any(t.is_alive() for t in self.threads):
+            self.stop()
+        self.driver.close()
+        alive = [t.name for t in self.threads if t.is_alive()]
+        self.ctx.destroy(linger=0)
+        if alive:
+            raise RuntimeError(f"stage threads did not stop: {alive}")

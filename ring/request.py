@@ -1,0 +1,45 @@
+"""A request as every stage's scheduler replica tracks it: plain Python, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protocol.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # in the queue, holds no KV
+    RUNNING = "running"  # admitted to a slot: prefilling (possibly chunked) or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival: int  # order of arrival; ties in the waiting queue never happen
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    abort_requested: bool = False
+    finish_reason: str | None = None
+    num_retractions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens the sequence has: prompt plus output so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not in the KV cache yet: 1 when decoding; more while prefilling (a new
+        request, the rest of a chunked prompt, or a retracted request recomputing)."""
+        return self.seq_len - self.num_computed

@@ -1,0 +1,308 @@
+"""The scheduler replica every stage runs: same inputs in the same order, same decisions.
+
+Plain Python over `Req` objects; it never touches a tensor and imports no torch. Three inputs
+change its state, and every stage feeds them at the same step of its loop:
+
+    apply_reqs(reqs)              new requests and aborts of one step (DESIGN.md §6 step 1)
+    decide(slot, step) -> Batch   the micro-batch of one slot (step 2)
+    apply_output(output)          the sampled tokens of an earlier step (step 5)
+
+Nothing time- or rank-dependent enters a decision (SGLang #28424 diverged on exactly that), and
+each decision is summarised by a digest that travels with the batch, so a replica that differs
+is caught at the next stage instead of corrupting output.
+
+KV exhaustion: we *retract* rather than reserve. Reserving prompt + max_new_tokens for every
+request at admission can never deadlock, but it keeps most of the pool idle (requests usually
+stop long before max_new_tokens), which caps concurrency exactly where PP is meant to raise it.
+So admission only needs room for the first chunk plus one growth block per running request;
+when a slot's requests cannot grow, the slot retracts its newest request: its blocks are freed
+and it returns to the waiting queue (at its arrival position) to be recomputed from prompt +
+tokens so far. Retraction happens only in the slot being decided, whose previous batch is no
+longer in flight, so no in-flight batch ever references a freed block. Every stage retracts the
+same request at the same step because the decision is replicated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from dataclasses import dataclass, field
+
+from protocol.messages import Output, Reqs, RequestDelta
+from ring.block_allocator import BlockAllocator
+from ring.config import RingConfig
+from ring.request import Req, ReqState
+from stages.batch import SeqChunk, blocks_needed
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    req: Req
+    chunk: SeqChunk
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch decision: what every stage runs for this slot at this step."""
+
+    slot: int
+    step: int
+    entries: list[BatchEntry]
+    digest: str
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.chunk.num_tokens for e in self.entries)
+
+    @property
+    def chunks(self) -> list[SeqChunk]:
+        return [e.chunk for e in self.entries]
+
+    @property
+    def sampled(self) -> list[Req]:
+        return [e.req for e in self.entries if e.chunk.sample]
+
+
+def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
+    """A short hash of everything that shapes the batch's tensors and its outputs."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{slot}:{step}".encode())
+    for e in entries:
+        c = e.chunk
+        h.update(f"|{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:".encode())
+        h.update(",".join(map(str, c.block_ids)).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class SchedulerStats:
+    max_batch_requests: int = 0  # the most requests any one micro-batch held
+    max_running_requests: int = 0  # the most requests admitted at once
+    num_retractions: int = 0
+    num_batches: int = 0
+    num_empty_batches: int = 0
+
+
+@dataclass
+class Scheduler:
+    cfg: RingConfig
+    num_kv_blocks: int  # the agreed capacity: the minimum over all stages
+    context_length: int
+    eos_token_ids: tuple[int, ...] = ()
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        self.allocator = BlockAllocator(self.num_kv_blocks)
+        self.requests: dict[str, Req] = {}
+        self.waiting: list[Req] = []  # sorted by arrival
+        self.slots: list[list[Req]] = [[] for _ in range(self.cfg.pp_loop_size)]
+        self.inflight: dict[int, Batch] = {}  # step -> batch whose output is not applied yet
+        self.num_arrivals = 0
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def apply_reqs(self, reqs: Reqs) -> list[RequestDelta]:
+        """Queue new requests and mark aborts. Returns the requests that finished right away
+        (rejected, or aborted while waiting)."""
+        finished = []
+        for new in reqs.new:
+            req = Req(new.rid, list(new.input_ids), new.sampling, arrival=self.num_arrivals)
+            self.num_arrivals += 1
+            error = self._reject_reason(req)
+            if error:
+                finished.append(RequestDelta(new.rid, -1, None, "error", error))
+                continue
+            self.requests[req.rid] = req
+            self.waiting.append(req)
+        for rid in reqs.aborts:
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # already finished, or never known: nothing to do
+            if req.state is ReqState.WAITING:
+                self.waiting.remove(req)
+                finished.append(self._finish(req, "abort"))
+            else:
+                # Running: it may be in flight. It is finished when its slot comes round again
+                # (decide) or when its in-flight output is applied, whichever is first.
+                req.abort_requested = True
+        return finished
+
+    def decide(self, slot: int, step: int) -> tuple[Batch, list[RequestDelta]]:
+        """The batch for `slot` at `step`, and requests finished while deciding (aborts)."""
+        aborted = [r for r in self.slots[slot] if r.abort_requested]
+        finished = [self._finish(r, "abort") for r in aborted]
+        entries, prefill_budget = self._schedule_running(slot)
+        entries += self._admit(slot, prefill_budget)
+        batch = Batch(slot, step, entries, batch_digest(slot, step, entries))
+        self.inflight[step] = batch
+        self.stats.num_batches += 1
+        self.stats.num_empty_batches += not entries
+        self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(entries))
+        num_running = sum(len(s) for s in self.slots)
+        self.stats.max_running_requests = max(self.stats.max_running_requests, num_running)
+        return batch, finished
+
+    def apply_output(self, output: Output) -> list[RequestDelta]:
+        """Append sampled tokens of an earlier step's batch; finish what is done."""
+        batch = self.inflight.pop(output.step, None)
+        if batch is None:
+            raise RuntimeError(f"output for step {output.step}, which has no batch in flight")
+        if output.digest != batch.digest:
+            raise DivergenceError(
+                f"output of step {output.step} (slot {output.slot}) has digest {output.digest}, "
+                f"this stage decided {batch.digest}: the stages' schedulers diverged"
+            )
+        sampled = batch.sampled
+        if len(output.token_ids) != len(sampled):
+            raise DivergenceError(
+                f"output of step {output.step} has {len(output.token_ids)} tokens for "
+                f"{len(sampled)} sampled requests"
+            )
+        deltas = []
+        for i, (req, token_id) in enumerate(zip(sampled, output.token_ids)):
+            logprob = output.logprobs[i] if output.logprobs is not None else None
+            if req.abort_requested:
+                deltas.append(self._finish(req, "abort"))
+                continue
+            req.output_ids.append(token_id)
+            reason = self._finish_reason(req, token_id)
+            if reason:
+                self._finish(req, reason)
+            deltas.append(RequestDelta(req.rid, token_id, logprob, reason or ""))
+        return deltas
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(s) for s in self.slots)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything waiting or running: the ring must keep stepping."""
+        return bool(self.waiting) or self.num_running > 0
+
+    def is_idle(self) -> bool:
+        return not self.has_work
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _reject_reason(self, req: Req) -> str:
+        if req.rid in self.requests:
+            return f"request id {req.rid} is already in use"
+        num_prompt, max_new = len(req.prompt_ids), req.sampling.max_new_tokens
+        total = num_prompt + max_new
+        if total > self.context_length:
+            return (
+                f"the prompt ({num_prompt} tokens) plus max_new_tokens ({max_new}) is {total} "
+                f"tokens, beyond the context length {self.context_length}: shorten the prompt "
+                f"or lower max_new_tokens"
+            )
+        if blocks_needed(total) > self.num_kv_blocks:
+            return (
+                f"the prompt plus max_new_tokens needs {blocks_needed(total)} KV blocks but the "
+                f"whole pool has {self.num_kv_blocks}: lower max_new_tokens or give the KV "
+                f"cache more memory"
+            )
+        return ""
+
+    def _finish_reason(self, req: Req, token_id: int) -> str | None:
+        sampling = req.sampling
+        if token_id in sampling.stop_token_ids:
+            return "stop"
+        if not sampling.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if len(req.output_ids) >= sampling.max_new_tokens:
+            return "length"
+        if req.seq_len >= self.context_length:
+            return "length"
+        return None
+
+    def _finish(self, req: Req, reason: str) -> RequestDelta:
+        if req.slot is not None:
+            self.slots[req.slot].remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.slot = None
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.rid]
+        return RequestDelta(req.rid, -1, None, reason)
+
+    @staticmethod
+    def _is_decode(req: Req) -> bool:
+        return req.num_pending == 1 and bool(req.output_ids)
+
+    def _schedule_running(self, slot: int) -> tuple[list[BatchEntry], int]:
+        """Chunks for the slot's admitted requests, retracting the newest until they fit.
+
+        Decodes take one token each; prefill chunks (new, chunked, or recomputing requests)
+        share `chunked_prefill_size` tokens. Returns the entries and the prefill budget left.
+        """
+        reqs = self.slots[slot]
+        while True:
+            plan, budget = [], self.cfg.chunked_prefill_size
+            for req in reqs:
+                if self._is_decode(req):
+                    plan.append((req, 1))
+                else:
+                    num_tokens = min(req.num_pending, budget)
+                    budget -= num_tokens
+                    plan.append((req, num_tokens))
+            need = sum(
+                blocks_needed(req.num_computed + n) - len(req.block_ids) for req, n in plan if n
+            )
+            if need <= self.allocator.num_free or not reqs:
+                break
+            self._retract(reqs[-1])  # the newest in this slot
+        entries = [self._commit(req, n) for req, n in plan if n]
+        return entries, budget
+
+    def _admit(self, slot: int, prefill_budget: int) -> list[BatchEntry]:
+        """Admit waiting requests (FIFO, no skipping) into `slot` while caps and KV allow."""
+        entries = []
+        while self.waiting and prefill_budget > 0:
+            if len(self.slots[slot]) >= self.cfg.micro_batch_cap:
+                break
+            if self.num_running >= self.cfg.max_running_requests:
+                break
+            req = self.waiting[0]
+            num_tokens = min(req.num_pending, prefill_budget)
+            # Keep one growth block per running request so admission does not immediately force
+            # a retraction elsewhere.
+            if blocks_needed(num_tokens) + self.num_running > self.allocator.num_free:
+                break
+            self.waiting.pop(0)
+            req.state = ReqState.RUNNING
+            req.slot = slot
+            self.slots[slot].append(req)
+            entries.append(self._commit(req, num_tokens))
+            prefill_budget -= num_tokens
+        return entries
+
+    def _commit(self, req: Req, num_tokens: int) -> BatchEntry:
+        """Allocate the blocks `num_tokens` more tokens need and advance the request."""
+        start = req.num_computed
+        extra = blocks_needed(start + num_tokens) - len(req.block_ids)
+        if extra > 0:
+            req.block_ids += self.allocator.allocate(extra)
+        token_ids = req.all_ids[start : start + num_tokens]
+        req.num_computed = start + num_tokens
+        sample = req.num_computed == req.seq_len
+        return BatchEntry(req, SeqChunk(token_ids, start, list(req.block_ids), sample))
+
+    def _retract(self, req: Req) -> None:
+        self.slots[req.slot].remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.slot = None
+        req.num_computed = 0
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.stats.num_retractions += 1
+        arrivals = [r.arrival for r in self.waiting]
+        self.waiting.insert(bisect.bisect(arrivals, req.arrival), req)
+
+
+class DivergenceError(RuntimeError):
+    """Two stages' scheduler replicas made different decisions."""

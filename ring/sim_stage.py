@@ -1,0 +1,129 @@
+"""A simulated stage: the real loop and transport, a forward that only takes time.
+
+Its forward sleeps `t0_s + t_token_s * T` (no CPU burned, like a GPU kernel the CPU waits on),
+passes seam tensors of the configured width, and its last stage "samples" a token that depends
+only on (request seed, position), so a test knows every token each request must receive
+(`expected_token`). `sample_delay_s` models the last stage's straggler: the sampled tokens are
+ready that long after the forward ends, while the stage itself can already run the next batch
+(an asynchronous device-to-host copy); the loop waits for them only when it must send them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.sampling import SamplingParams
+from stages.batch import SampleResult, SeqChunk
+from stages.runner import Stage, StageOutput
+
+SIM_VOCAB = 50_000
+SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
+
+
+def expected_token(seed: int, position: int) -> int:
+    """The token the simulated last stage samples at `position` (tokens before it)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 29
+    return x % SIM_VOCAB
+
+
+@dataclass
+class DeferredSample:
+    """Sampled tokens that become ready at `ready_at` (time.monotonic)."""
+
+    ready_at: float
+    result: SampleResult
+
+    def is_ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def wait(self) -> SampleResult:
+        delay = self.ready_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return self.result
+
+
+class SimStage(Stage):
+    def __init__(
+        self,
+        *,
+        is_first_stage: bool,
+        is_last_stage: bool,
+        num_kv_blocks: int = 4096,
+        t0_s: float = 0.0,
+        t_token_s: float = 0.0,
+        sample_delay_s: float = 0.0,
+        hidden_size: int = 64,
+    ) -> None:
+        self.is_first_stage = is_first_stage
+        self.is_last_stage = is_last_stage
+        self._num_kv_blocks = num_kv_blocks
+        self.t0_s = t0_s
+        self.t_token_s = t_token_s
+        self.sample_delay_s = sample_delay_s
+        self.hidden_size = hidden_size
+        self.allocated_blocks: int | None = None
+        self.busy_s = 0.0  # time spent in forwards: the idle fraction is 1 - busy / wall
+        self._overshoot_s = 0.0
+
+    def _sleep(self, seconds: float) -> None:
+        """Take `seconds` on average. time.sleep overshoots by 0.1-0.3 ms on a busy 2-core
+        machine, which would count as ring overhead; like a GPU whose kernels take a steady
+        time, the simulated forward pays back the overshoot of one step in the next."""
+        start = time.monotonic()
+        target = seconds - self._overshoot_s
+        if target > 0:
+            time.sleep(target)
+        took = time.monotonic() - start
+        self._overshoot_s = min(max(self._overshoot_s + took - seconds, 0.0), seconds)
+        self.busy_s += took
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        if num_blocks > self._num_kv_blocks:
+            raise ValueError(
+                f"asked for {num_blocks} KV blocks, this stage holds {self._num_kv_blocks}"
+            )
+        self.allocated_blocks = num_blocks
+
+    def run(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> StageOutput | DeferredSample:
+        num_tokens = sum(c.num_tokens for c in chunks)
+        if not self.is_first_stage and (hidden_states is None or len(hidden_states) != num_tokens):
+            got = None if hidden_states is None else len(hidden_states)
+            raise ValueError(f"seam carries {got} rows for a batch of {num_tokens} tokens")
+        for chunk in chunks:
+            if chunk.block_ids and max(chunk.block_ids) >= (self.allocated_blocks or 0):
+                raise ValueError(f"block table names block {max(chunk.block_ids)} beyond the pool")
+        if chunks:
+            self._sleep(self.t0_s + self.t_token_s * num_tokens)
+        if not self.is_last_stage:
+            # Fresh tensors every step: a buffer handed to ZeroMQ is never written again.
+            seam = torch.zeros(num_tokens, self.hidden_size)
+            return {"hidden_states": seam, "residual": seam.clone()}
+        tokens = []
+        for i, chunk in enumerate(chunks):
+            if chunk.sample:
+                params = sampling[i] if sampling is not None else None
+                seed = params.seed if params is not None and params.seed is not None else 0
+                tokens.append(expected_token(seed, chunk.seq_len))
+        result = SampleResult(token_ids=tokens)
+        if self.sample_delay_s > 0 and chunks:
+            return DeferredSample(time.monotonic() + self.sample_delay_s, result)
+        return result

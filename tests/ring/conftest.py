@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from protocol.sampling import SamplingParams
+from ring.config import RingConfig
+from ring.local import ThreadRing
+from ring.loop import ModelInfo
+from ring.sim_stage import SimStage, expected_token
+
+_run_ids = itertools.count()
+
+
+@dataclass
+class SimSpec:
+    num_kv_blocks: int = 4096
+    t0_s: float = 0.0
+    t_token_s: float = 0.0
+    sample_delay_s: float = 0.0
+
+
+def sim_ring(
+    cfg: RingConfig, spec: SimSpec | None = None, context_length: int = 4096
+) -> ThreadRing:
+    spec = spec or SimSpec()
+
+    def make(stage_cfg: RingConfig) -> SimStage:
+        return SimStage(
+            is_first_stage=stage_cfg.is_first_stage,
+            is_last_stage=stage_cfg.is_last_stage,
+            num_kv_blocks=spec.num_kv_blocks + stage_cfg.rank,  # unequal: the ring agrees the min
+            t0_s=spec.t0_s,
+            t_token_s=spec.t_token_s,
+            sample_delay_s=spec.sample_delay_s if stage_cfg.is_last_stage else 0.0,
+        )
+
+    return ThreadRing(cfg, make, ModelInfo(context_length=context_length), f"t{next(_run_ids)}")
+
+
+def random_requests(
+    rng: random.Random, n: int, max_prompt: int = 200, max_new: int = 24, prefix: str = "r"
+) -> list[tuple[str, list[int], SamplingParams]]:
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(1000) for _ in range(rng.randint(1, max_prompt))]
+        sampling = SamplingParams(max_new_tokens=rng.randint(1, max_new), seed=rng.randrange(2**40))
+        out.append((f"{prefix}{i}", prompt, sampling))
+    return out
+
+
+def expected_tokens(prompt: list[int], sampling: SamplingParams) -> list[int]:
+    tokens = []
+    for n in range(sampling.max_new_tokens):
+        token = expected_token(sampling.seed, len(prompt) + n)
+        tokens.append(token)
+        if token in sampling.stop_token_ids:
+            break
+    return tokens

@@ -1,0 +1,53 @@
+"""The ring as real processes over loopback TCP: the same loop, started by `launch.stage`."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from launch.procs import ProcessRing
+from tests.ring.conftest import expected_tokens, random_requests
+
+SIM = ["--stage-impl", "sim", "--sim-t0-ms", "1"]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(180)
+def test_four_stage_processes_serve_exact_tokens_and_shut_down_cleanly(tmp_path):
+    rng = random.Random(4)
+    requests = random_requests(rng, 60, max_new=16)
+    with ProcessRing(4, [*SIM, "--pp-async-batch-depth", "1"], log_dir=tmp_path) as ring:
+        ring.wait_ready(timeout_s=90)
+        ring.driver.submit_many(requests)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=60)
+        for rid, prompt, sampling in requests:
+            assert ring.driver.tokens[rid] == expected_tokens(prompt, sampling)
+        assert ring.shutdown(timeout_s=30) == [0, 0, 0, 0]
+    logs = "".join(p.read_text() for p in tmp_path.glob("stage*.log"))
+    assert "ring shut down" in logs
+
+
+@pytest.mark.timeout(180)
+def test_an_idle_ring_of_four_processes_costs_almost_no_cpu(tmp_path):
+    with ProcessRing(4, [*SIM, "--heartbeat-interval", "0.5"], log_dir=tmp_path) as ring:
+        ring.wait_ready(timeout_s=90)
+        time.sleep(1.0)  # let start-up settle
+        before = [cpu_seconds(pid) for pid in ring.pids]
+        start = time.monotonic()
+        time.sleep(10.0)
+        elapsed = time.monotonic() - start
+        used = sum(cpu_seconds(pid) for pid in ring.pids) - sum(before)
+        # Heartbeats still go round: the ring is alive while it idles.
+        heartbeats_before = ring.driver.seq
+        assert ring.shutdown(timeout_s=30) == [0, 0, 0, 0]
+    assert used / elapsed < 0.02, f"idle ring used {used / elapsed:.1%} of a core"
+    assert heartbeats_before == 0  # the driver sent nothing: the ring idled on its own

@@ -1,0 +1,106 @@
+"""The scheduler replica and the block allocator, without a ring: plain Python, microseconds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from protocol.messages import NewRequest, Output, Reqs
+from protocol.sampling import SamplingParams
+from ring.block_allocator import BlockAllocator
+from ring.config import RingConfig
+from ring.scheduler import DivergenceError, Scheduler
+
+
+def test_random_allocate_free_never_hands_out_a_block_twice():
+    rng = random.Random(0)
+    pool = BlockAllocator(200)
+    held: list[list[int]] = []
+    for _ in range(5000):
+        if held and (rng.random() < 0.5 or not pool.can_allocate(8)):
+            blocks = held.pop(rng.randrange(len(held)))
+            pool.free(blocks)
+        else:
+            n = rng.randint(1, 8)
+            if pool.can_allocate(n):
+                held.append(pool.allocate(n))
+        flat = [b for blocks in held for b in blocks]
+        assert len(flat) == len(set(flat))
+        assert pool.num_free + len(flat) == 200
+    for blocks in held:
+        pool.free(blocks)
+    assert pool.is_whole()
+
+
+def test_double_free_is_an_error():
+    pool = BlockAllocator(4)
+    blocks = pool.allocate(2)
+    pool.free(blocks)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free(blocks)
+
+
+def new(rid: str, num_prompt: int, max_new: int = 4) -> NewRequest:
+    return NewRequest(rid, list(range(1, num_prompt + 1)), SamplingParams(max_new_tokens=max_new))
+
+
+def test_a_request_that_can_never_fit_is_rejected_at_once():
+    sched = Scheduler(RingConfig(), num_kv_blocks=5, context_length=100)
+    finished = sched.apply_reqs(
+        Reqs(0, 0, new=[new("long", 99, max_new=5), new("big", 50, max_new=50), new("ok", 5)])
+    )
+    reasons = {d.rid: d for d in finished}
+    assert "context length 100" in reasons["long"].error
+    assert "KV blocks" in reasons["big"].error and reasons["big"].finish_reason == "error"
+    assert list(sched.requests) == ["ok"]
+
+
+def test_admission_respects_the_micro_batch_and_total_caps():
+    cfg = RingConfig(pp_size=4, max_running_requests=8)
+    assert cfg.micro_batch_cap == 2
+    sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new(f"r{i}", 3) for i in range(20)]))
+    sizes = [len(sched.decide(slot, slot)[0].entries) for slot in range(4)]
+    assert sizes == [2, 2, 2, 2]
+    assert sched.num_running == 8 and len(sched.waiting) == 12
+
+
+def test_an_output_with_the_wrong_digest_is_a_divergence():
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=100)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", 3)]))
+    batch, _ = sched.decide(0, 0)
+    with pytest.raises(DivergenceError, match="diverged"):
+        sched.apply_output(Output(0, 0, "not-the-digest", token_ids=[5]))
+    assert batch.entries
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_flowing():
+    cfg = RingConfig(chunked_prefill_size=16)
+    sched = Scheduler(cfg, num_kv_blocks=100, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("short", 4, max_new=10)]))
+    batch, _ = sched.decide(0, 0)
+    sched.apply_output(Output(0, 0, batch.digest, token_ids=[7]))
+    sched.apply_reqs(Reqs(0, 1, new=[new("long", 40)]))
+    chunks = []
+    for step in range(1, 4):
+        batch, _ = sched.decide(0, step)
+        sizes = {e.req.rid: e.chunk.num_tokens for e in batch.entries}
+        assert sizes["short"] == 1  # the decode rides along with every prefill chunk
+        chunks.append(sizes["long"])
+        sched.apply_output(Output(0, step, batch.digest, token_ids=[7] * len(batch.sampled)))
+    assert chunks == [16, 16, 8]  # the prefill budget; decodes do not count against it
+
+
+def test_kv_exhaustion_retracts_the_newest_request_and_requeues_it():
+    sched = Scheduler(RingConfig(), num_kv_blocks=4, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", 16, max_new=40), new("b", 15, max_new=40)]))
+    batch, _ = sched.decide(0, 0)
+    assert [e.req.rid for e in batch.entries] == ["a", "b"]
+    step = 1
+    while "b" not in [r.rid for r in sched.waiting]:
+        sched.apply_output(Output(0, step - 1, batch.digest, token_ids=[3] * len(batch.sampled)))
+        batch, _ = sched.decide(0, step)
+        step += 1
+    assert sched.stats.num_retractions == 1
+    assert [r.rid for r in sched.slots[0]] == ["a"]
