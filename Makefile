@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test lint bench-codec clean
+.PHONY: setup test lint demo bench-codec bench-ring clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,16 @@ lint: setup
 test: lint
 	$(BIN)/pytest
 
+# Prepares the default model (once), starts a 2-stage ring, streams one answer, stops it.
+demo: setup
+	$(BIN)/ppring prepare-model
+	$(BIN)/python -m launch.demo
+
 bench-codec: setup
 	$(BIN)/python -m bench.codec
+
+bench-ring: setup
+	$(BIN)/python -m bench.ring
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -12,6 +12,8 @@ import sys
 
 # name -> (module with `main(argv) -> int | None`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "local": ("launch.local", "start every stage of a ring on this machine, plus the frontend"),
+    "generate": ("launch.generate", "stream one completion from a running ring to stdout"),
     "prepare-model": (
         "launch.prepare_model",
         "convert the default model (SmolLM2-135M-Instruct) into the cache; print its folder",

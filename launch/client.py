@@ -1,0 +1,209 @@
+"""Clients for a ppring frontend, over ZeroMQ (DEALER to the frontend's ROUTER).
+
+    from launch.client import Client
+    with Client("tcp://127.0.0.1:30000") as client:
+        for chunk in client.generate("The capital of France is", max_new_tokens=16):
+            print(chunk.text, end="", flush=True)
+        print(client.complete("2 + 2 =", temperature=0).text)
+
+`Client` is blocking and runs one request at a time; `AsyncClient` multiplexes any number of
+concurrent requests over one socket. Leaving a stream early (break, close, timeout) aborts the
+request in the ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.channels import AsyncDealerChannel, ChannelTimeout, DealerChannel
+from protocol.messages import Abort, ChatMessage, Chunk, Done, Error, Generate
+from protocol.sampling import SamplingParams
+
+DEFAULT_ADDR = "tcp://127.0.0.1:30000"
+
+
+class RequestError(RuntimeError):
+    """The frontend answered `error`; `code` says which kind (bad_request, ring_down, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    done: Done
+    logprobs: list[float] = field(default_factory=list)
+
+
+def _build(
+    rid: str,
+    prompt: str | None,
+    messages: list[dict[str, str]] | None,
+    input_ids: list[int] | None,
+    stop: list[str] | None,
+    sampling: dict[str, Any],
+) -> Generate:
+    return Generate(
+        rid=rid,
+        prompt=prompt,
+        messages=[ChatMessage(**m) for m in messages] if messages is not None else None,
+        input_ids=input_ids,
+        sampling=SamplingParams(**sampling),
+        stop=list(stop or []),
+    )
+
+
+class Client:
+    """Blocking client. `timeout_s` bounds the wait for each message of a stream."""
+
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 120.0) -> None:
+        self.channel = DealerChannel(addr)
+        self.timeout_s = timeout_s
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self.last_done: Done | None = None
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        **sampling: Any,
+    ) -> Iterator[Chunk]:
+        """Stream the answer as chunks; `last_done` holds usage and timings afterwards."""
+        rid = f"{self._prefix}-{next(self._ids)}"
+        self.channel.send(_build(rid, prompt, messages, input_ids, stop, sampling))
+        finished = False
+        try:
+            while True:
+                try:
+                    msg = self.channel.recv(self.timeout_s)
+                except ChannelTimeout:
+                    raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
+                if getattr(msg, "rid", None) != rid:
+                    continue  # a late answer to an earlier, abandoned request
+                if isinstance(msg, Chunk):
+                    yield msg
+                elif isinstance(msg, Done):
+                    finished = True
+                    self.last_done = msg
+                    return
+                elif isinstance(msg, Error):
+                    finished = True
+                    raise RequestError(msg.code, msg.message)
+        finally:
+            if not finished:
+                self.channel.send(Abort(rid=rid))
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        chunks = list(self.generate(prompt, **kwargs))
+        return Completion(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            done=self.last_done,
+            logprobs=[lp for c in chunks for lp in (c.logprobs or [])],
+        )
+
+    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Completion:
+        return self.complete(messages=messages, **kwargs)
+
+    def close(self) -> None:
+        self.channel.close(linger_ms=200)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: many concurrent requests over one socket."""
+
+    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 120.0) -> None:
+        self.channel = AsyncDealerChannel(addr)
+        self.timeout_s = timeout_s
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        input_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Chunk | Done]:
+        """Yields chunks, then the final Done."""
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        rid = f"{self._prefix}-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            await self.channel.send(_build(rid, prompt, messages, input_ids, stop, sampling))
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
+                if isinstance(msg, Error):
+                    finished = True
+                    raise RequestError(msg.code, msg.message)
+                yield msg
+                if isinstance(msg, Done):
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                await self.channel.send(Abort(rid=rid))
+
+    async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
+        chunks, done = [], None
+        async for msg in self.generate(prompt, **kwargs):
+            if isinstance(msg, Done):
+                done = msg
+            else:
+                chunks.append(msg)
+        return Completion(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            done=done,
+            logprobs=[lp for c in chunks for lp in (c.logprobs or [])],
+        )
+
+    async def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Completion:
+        return await self.complete(messages=messages, **kwargs)
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.channel.recv()
+            queue = self._queues.get(getattr(msg, "rid", ""))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.channel.close(linger_ms=200)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

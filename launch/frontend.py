@@ -1,0 +1,276 @@
+"""The frontend (on node 0): clients in, token ids to stage 0, text back out.
+
+One asyncio loop (uvloop when available) with two tasks:
+- clients: a ROUTER socket. Each `generate` is validated (the schema, then the prompt against
+  the context length), tokenized (chat template for `messages`) and sent to stage 0 as a
+  `reqs` message; an `abort` is passed on. A bad message gets `error` at once and disturbs
+  nothing else.
+- ring: stage 0's `deltas`. New tokens are detokenized incrementally and streamed as `chunk`;
+  stop strings are applied here (the request is then aborted in the ring); a finish sends
+  `done` with usage and timings, or `error`.
+
+Every accepted request gets exactly one terminal message (`done` or `error`). If the ring goes
+down (a stage reports an error, or the launcher sees a stage die), every request in flight gets
+`error` with code `ring_down`, and so does every new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from launch.detokenize import IncrementalDetokenizer
+from protocol.channels import AsyncPullChannel, AsyncRouterChannel, BadClientMessage, PushChannel
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    Abort,
+    Chunk,
+    Ctrl,
+    Deltas,
+    Done,
+    Error,
+    Generate,
+    NewRequest,
+    Reqs,
+    RequestDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Inflight:
+    identity: bytes
+    client_rid: str
+    num_prompt_tokens: int
+    detok: IncrementalDetokenizer
+    want_logprobs: bool
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_tokens: int = 0
+    stopped_by_string: bool = False
+
+
+class Frontend:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        client_addr: str,
+        intake_addr: str,
+        deltas_addr: str,
+        context_length: int,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = len(tokenizer)
+        self.clients = AsyncRouterChannel(client_addr)
+        self.deltas = AsyncPullChannel(deltas_addr)
+        self.intake = PushChannel(intake_addr)
+        self.inflight: dict[str, Inflight] = {}  # ring rid -> request
+        self.next_seq = 0
+        self.ring_error: str | None = None
+        self.ring_ready = asyncio.Event()
+        self.ring_info: dict[str, Any] = {}
+        self.stopped = asyncio.Event()
+        self.num_bad_messages = 0
+
+    @property
+    def addr(self) -> str:
+        return self.clients.addr
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Until the ring shuts down or fails."""
+        tasks = [asyncio.create_task(self._client_loop()), asyncio.create_task(self._ring_loop())]
+        try:
+            await self.stopped.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def request_shutdown(self) -> None:
+        """Ask stage 0 to fail what it holds and take the ring down gracefully."""
+        self.intake.send(Ctrl(op="shutdown", rank=-1))
+
+    def ring_down(self, reason: str, quiet: bool = False) -> None:
+        """The ring cannot serve: error everything in flight, and everything that comes."""
+        if self.ring_error is None:
+            self.ring_error = reason
+            if not quiet:
+                logger.error("ring down: %s", reason)
+        for rid in list(self.inflight):
+            self._send_error(rid, "ring_down", f"the ring went down: {reason}")
+        self.stopped.set()
+
+    def close(self) -> None:
+        for channel in (self.clients, self.deltas, self.intake):
+            channel.close(linger_ms=500)
+
+    # -- clients --------------------------------------------------------------------------------
+
+    async def _client_loop(self) -> None:
+        while True:
+            try:
+                identity, msg = await self.clients.recv()
+            except BadClientMessage as exc:
+                self.num_bad_messages += 1
+                await self.clients.send(exc.identity, Error("", "bad_request", str(exc)))
+                continue
+            try:
+                if isinstance(msg, Generate):
+                    await self._admit(identity, msg)
+                elif isinstance(msg, Abort):
+                    self._abort(identity, msg.rid)
+                else:
+                    raise ProtocolError(f"a client may send generate or abort, not {msg.kind}")
+            except ProtocolError as exc:
+                self.num_bad_messages += 1
+                rid = getattr(msg, "rid", "")
+                await self.clients.send(identity, Error(rid, "bad_request", str(exc)))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the frontend
+                logger.exception("could not handle a %s", msg.kind)
+                rid = getattr(msg, "rid", "")
+                await self.clients.send(identity, Error(rid, "internal", f"{type(exc).__name__}"))
+
+    async def _admit(self, identity: bytes, req: Generate) -> None:
+        rid = _ring_rid(identity, req.rid)
+        if rid in self.inflight:
+            raise ProtocolError(f"request id {req.rid!r} is already in flight on this connection")
+        if self.ring_error is not None:
+            await self.clients.send(identity, Error(req.rid, "ring_down", self.ring_error))
+            return
+        input_ids = self._tokenize(req)
+        total = len(input_ids) + req.sampling.max_new_tokens
+        if total > self.context_length:
+            raise ProtocolError(
+                f"the prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                f"({req.sampling.max_new_tokens}) is {total} tokens, beyond the context length "
+                f"{self.context_length}"
+            )
+        self.inflight[rid] = Inflight(
+            identity,
+            req.rid,
+            len(input_ids),
+            IncrementalDetokenizer(self.tokenizer, req.stop, input_ids),
+            req.sampling.logprobs,
+        )
+        self._to_ring(new=[NewRequest(rid, input_ids, req.sampling)])
+
+    def _tokenize(self, req: Generate) -> list[int]:
+        if req.input_ids is not None:
+            if max(req.input_ids) >= self.vocab_size:
+                raise ProtocolError(
+                    f"input_ids holds a token id beyond the vocabulary ({self.vocab_size})"
+                )
+            return list(req.input_ids)
+        if req.messages is not None:
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ProtocolError("this model has no chat template: send a prompt instead")
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            # The template already holds any special tokens; don't let encode add a BOS again.
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise ProtocolError("the prompt tokenizes to nothing")
+        return list(ids)
+
+    def _abort(self, identity: bytes, client_rid: str) -> None:
+        rid = _ring_rid(identity, client_rid)
+        if rid in self.inflight:
+            self._to_ring(aborts=[rid])  # the ring answers with a finish, which sends `done`
+
+    def _to_ring(
+        self, new: list[NewRequest] | None = None, aborts: list[str] | None = None
+    ) -> None:
+        self.intake.send(Reqs(slot=0, step=self.next_seq, new=new or [], aborts=aborts or []))
+        self.next_seq += 1
+
+    # -- the ring -------------------------------------------------------------------------------
+
+    async def _ring_loop(self) -> None:
+        while True:
+            try:
+                msg = await self.deltas.recv()
+            except ProtocolError as exc:
+                logger.warning("dropped a bad message from stage 0: %s", exc)
+                continue
+            if isinstance(msg, Deltas):
+                for delta in msg.deltas:
+                    await self._apply(delta)
+            elif isinstance(msg, Ctrl):
+                if msg.op == "ready":
+                    self.ring_info = dict(msg.info)
+                    self.ring_ready.set()
+                elif msg.op == "error":
+                    self.ring_down(str(msg.info.get("message", "a stage failed")))
+                elif msg.op == "shutdown":
+                    logger.info("the ring shut down")
+                    self.ring_down("the ring shut down", quiet=True)
+
+    async def _apply(self, delta: RequestDelta) -> None:
+        req = self.inflight.get(delta.rid)
+        if req is None:
+            return  # e.g. finished here by a stop string; the ring's abort answer comes later
+        now = time.monotonic()
+        if delta.token_id >= 0:
+            req.num_tokens += 1
+            req.first_token_at = req.first_token_at or now
+            text = req.detok.add(delta.token_id)
+            if req.detok.stopped:
+                text += req.detok.flush()
+                req.stopped_by_string = True
+            # Every token is reported, even one with no visible text (an EOS, half a character).
+            logprobs = [delta.logprob] if req.want_logprobs and delta.logprob is not None else None
+            await self.clients.send(
+                req.identity, Chunk(req.client_rid, text, [delta.token_id], logprobs)
+            )
+            if req.stopped_by_string:
+                self._to_ring(aborts=[delta.rid])
+                await self._finish(delta.rid, "stop", now)
+                return
+        if delta.finish_reason == "error":
+            self._send_error(delta.rid, "rejected", delta.error or "the ring refused the request")
+        elif delta.finish_reason:
+            tail = req.detok.flush()
+            if tail:
+                await self.clients.send(req.identity, Chunk(req.client_rid, tail, []))
+            await self._finish(delta.rid, delta.finish_reason, now)
+
+    async def _finish(self, rid: str, reason: str, now: float) -> None:
+        req = self.inflight.pop(rid)
+        first = req.first_token_at or now
+        tpot = (now - first) / (req.num_tokens - 1) if req.num_tokens > 1 else 0.0
+        await self.clients.send(
+            req.identity,
+            Done(
+                rid=req.client_rid,
+                finish_reason=reason,
+                prompt_tokens=req.num_prompt_tokens,
+                completion_tokens=req.num_tokens,
+                ttft_s=first - req.arrived,
+                tpot_s=tpot,
+                e2e_s=now - req.arrived,
+            ),
+        )
+
+    def _send_error(self, rid: str, code: str, message: str) -> None:
+        req = self.inflight.pop(rid, None)
+        if req is not None:
+            # ROUTER sends never block; schedule without awaiting so sync callers can use it.
+            asyncio.ensure_future(
+                self.clients.send(req.identity, Error(req.client_rid, code, message))
+            )
+
+
+def _ring_rid(identity: bytes, client_rid: str) -> str:
+    """Clients choose their own ids; the ring needs them unique across clients."""
+    return f"{identity.hex()}/{client_rid}"

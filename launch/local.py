@@ -1,0 +1,209 @@
+"""`ppring local`: every stage of a ring on this machine, plus the frontend, supervised.
+
+    ppring local [--model DIR] [--pp-size S] [--pp-async-batch-depth D] [--port P] ...
+
+Starts S stage processes (`python -m launch.stage`), runs the frontend in this process, prints
+a start-up summary and one line `ready: tcp://HOST:PORT` once the ring has agreed its KV
+capacity. If a stage dies, every request in flight gets `error` (ring_down), the other stages
+are stopped and this command exits 1. SIGINT/SIGTERM shut the ring down gracefully: exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from launch.procs import ProcessGroup
+from launch.stage import add_ring_args, add_stage_args
+from ring.topology import RingAddresses
+
+logger = logging.getLogger("ppring")
+
+SUPERVISE_INTERVAL_S = 0.5
+READY_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ppring local", description=__doc__.split("\n\n")[0])
+    add_ring_args(parser)
+    add_stage_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="where clients connect")
+    parser.add_argument("--port", type=int, default=30000, help="the frontend's port")
+    parser.add_argument("--log-dir", type=Path, default=None, help="stage logs (default stderr)")
+    args = parser.parse_args(argv)
+    if args.threads_per_stage is None:
+        # Stages share this machine's cores; OpenMP pools that oversubscribe slow every op.
+        args.threads_per_stage = max(1, (os.cpu_count() or 1) // args.pp_size)
+    return args
+
+
+def stage_argv(args: argparse.Namespace, rank: int, model_dir: Path) -> list[str]:
+    argv = [
+        sys.executable, "-m", "launch.stage", "--rank", str(rank),
+        "--host", args.host, "--port", str(args.port), "--transport", "tcp",
+        "--pp-size", str(args.pp_size),
+        "--pp-async-batch-depth", str(args.pp_async_batch_depth),
+        "--max-running-requests", str(args.max_running_requests),
+        "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--heartbeat-interval", str(args.heartbeat_interval),
+        "--ring-timeout", str(args.ring_timeout),
+        "--stage-impl", args.stage_impl, "--model", str(model_dir),
+        "--dtype", args.dtype, "--device", args.device,
+        "--threads-per-stage", str(args.threads_per_stage),
+        "--kv-memory-gib", str(args.kv_memory_gib),
+        "--sim-t0-ms", str(args.sim_t0_ms), "--sim-t-token-ms", str(args.sim_t_token_ms),
+        "--sim-sample-delay-ms", str(args.sim_sample_delay_ms),
+        "--sim-kv-blocks", str(args.sim_kv_blocks),
+        "--sim-context-length", str(args.sim_context_length),
+    ]  # fmt: skip
+    if args.pp_max_micro_batch_size is not None:
+        argv += ["--pp-max-micro-batch-size", str(args.pp_max_micro_batch_size)]
+    return argv
+
+
+def summary(args: argparse.Namespace, model_dir: Path) -> tuple[list[str], int]:
+    """Start-up lines (model, layer split, slots) and the context length."""
+    from ring.config import RingConfig
+    from stages.config import ModelConfig
+    from stages.partition import partition_from_env
+
+    config = ModelConfig.from_folder(model_dir)
+    cfg = RingConfig(
+        pp_size=args.pp_size,
+        pp_async_batch_depth=args.pp_async_batch_depth,
+        max_running_requests=args.max_running_requests,
+        pp_max_micro_batch_size=args.pp_max_micro_batch_size,
+    )
+    split = partition_from_env(config.num_layers, args.pp_size)
+    context = (
+        args.sim_context_length if args.stage_impl == "sim" else config.max_position_embeddings
+    )
+    lines = [
+        f"model: {model_dir} ({config.num_layers} layers, d={config.hidden_size}), "
+        f"{args.dtype} on {args.device}, stage impl {args.stage_impl}",
+        f"layers per stage: {split}",
+        f"slots: {cfg.pp_loop_size} (pp_size {cfg.pp_size} + async depth "
+        f"{cfg.pp_async_batch_depth}); requests per micro-batch <= {cfg.micro_batch_cap}, "
+        f"running <= {cfg.max_running_requests}; {args.threads_per_stage} threads per stage",
+    ]
+    return lines, context
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    from launch.prepare_model import PrepareModelError, resolve_model
+
+    try:
+        model_dir = resolve_model(args.model)
+        lines, context_length = summary(args, model_dir)
+    except (PrepareModelError, ValueError) as exc:  # stages' ConfigError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line, flush=True)
+    addrs = RingAddresses(args.pp_size, hosts=(args.host,), base_port=args.port)
+    group = ProcessGroup()
+    try:
+        for rank in range(args.pp_size):
+            log = args.log_dir / f"stage{rank}.log" if args.log_dir else None
+            if args.log_dir:
+                args.log_dir.mkdir(parents=True, exist_ok=True)
+            group.start(stage_argv(args, rank, model_dir), log, inherit=log is None)
+        return run_frontend(args, addrs, model_dir, context_length, group)
+    except OSError as exc:  # e.g. the port is taken
+        print(f"error: {exc}; pick another --port", file=sys.stderr)
+        return 2
+    finally:
+        group.stop()
+
+
+def run_frontend(
+    args: argparse.Namespace,
+    addrs: RingAddresses,
+    model_dir: Path,
+    context_length: int,
+    group: ProcessGroup,
+) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
+        pass
+    return asyncio.run(_serve(args, addrs, tokenizer, context_length, group))
+
+
+async def _serve(args, addrs, tokenizer, context_length, group: ProcessGroup) -> int:
+    from launch.frontend import Frontend
+
+    frontend = Frontend(
+        tokenizer,
+        client_addr=addrs.frontend(),
+        intake_addr=addrs.intake(),
+        deltas_addr=addrs.deltas(),
+        context_length=context_length,
+    )
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    stopping_since = 0.0
+
+    def on_signal() -> None:
+        nonlocal stopping, stopping_since
+        if not stopping:
+            stopping, stopping_since = True, time.monotonic()
+            print("shutting down", flush=True)
+            frontend.request_shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    serve = asyncio.create_task(frontend.serve())
+    started = time.monotonic()
+    exit_code = 0
+    try:
+        while not frontend.stopped.is_set():
+            if frontend.ring_ready.is_set() and started is not None:
+                blocks = frontend.ring_info.get("num_kv_blocks", 0)
+                print(f"KV blocks agreed: {blocks} ({blocks * 16} tokens)", flush=True)
+                print(f"ready: {frontend.addr}", flush=True)
+                started = None
+            elif started is not None and time.monotonic() - started > READY_TIMEOUT_S:
+                frontend.ring_down("the ring was not ready in time")
+                exit_code = 1
+                break
+            dead = group.poll_dead()
+            if dead and not stopping:
+                rank = group.procs.index(dead[0])
+                frontend.ring_down(f"stage {rank} exited with code {dead[0].returncode}")
+                exit_code = 1
+                break
+            if stopping and len(dead) == len(group.procs):
+                break  # every stage has exited: nothing more will come
+            if stopping and time.monotonic() - stopping_since > SHUTDOWN_TIMEOUT_S:
+                frontend.ring_down("the ring did not shut down in time")
+                exit_code = 1
+                break
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+        if frontend.ring_error and not stopping:
+            exit_code = 1
+        await asyncio.sleep(0.2)  # let the last error/done messages go out
+    finally:
+        serve.cancel()
+        await asyncio.gather(serve, return_exceptions=True)
+        frontend.close()
+    if stopping:
+        codes = group.wait(timeout_s=30)
+        if any(code != 0 for code in codes):
+            exit_code = 1
+    return exit_code

@@ -1,0 +1,133 @@
+"""`ppring local` on the default model, against transformers and under load and failure."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import msgpack
+import pytest
+
+from launch.client import AsyncClient, Client, RequestError
+from protocol.messages import Error
+from protocol.sampling import SamplingParams
+from protocol.schema import to_wire
+from tests.e2e.conftest import PROMPTS
+
+
+async def greedy_all(addr: str, prompts: list[str]) -> dict[str, list[int]]:
+    async with AsyncClient(addr, timeout_s=120) as client:
+        results = await asyncio.gather(
+            *(client.complete(p, max_new_tokens=32, temperature=0) for p in prompts)
+        )
+    return {p: r.token_ids for p, r in zip(prompts, results)}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("pp_size", "partition"), [(1, None), (2, None), (3, None), (2, "10,20")])
+def test_greedy_tokens_equal_transformers(start_local, hf_greedy, pp_size, partition, monkeypatch):
+    if partition:
+        monkeypatch.setenv("PPRING_LAYER_PARTITION", partition)
+    server = start_local("--pp-size", str(pp_size))
+    got = asyncio.run(greedy_all(server.addr, PROMPTS))
+    for prompt in PROMPTS:
+        assert got[prompt] == hf_greedy[prompt], prompt
+
+
+@pytest.mark.timeout(400)
+def test_32_concurrent_clients_get_what_they_get_alone(start_local):
+    server = start_local("--pp-size", "2")
+    prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(32)]
+    with Client(server.addr) as client:
+        alone = {p: client.complete(p, max_new_tokens=16, temperature=0).text for p in prompts[:4]}
+        seeded_alone = client.complete(PROMPTS[2], max_new_tokens=16, temperature=0.9, seed=7).text
+
+    async def crowd():
+        async with AsyncClient(server.addr) as client:
+            tasks = [client.complete(p, max_new_tokens=16, temperature=0) for p in prompts]
+            tasks.append(client.complete(PROMPTS[2], max_new_tokens=16, temperature=0.9, seed=7))
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(crowd())
+    for prompt, result in zip(prompts[:4], results):
+        assert result.text == alone[prompt]
+    assert results[-1].text == seeded_alone  # a seeded request is its own, whatever the batch
+    assert all(r.done.finish_reason in ("length", "stop") for r in results)
+
+
+def raw_generate(**fields) -> list[bytes]:
+    """A generate message as a hostile or buggy client might send it: no client-side checks."""
+    header = {
+        "v": 1,
+        "kind": "generate",
+        "rid": "raw",
+        "prompt": None,
+        "messages": None,
+        "input_ids": None,
+        "sampling": to_wire(SamplingParams()),
+        "stop": [],
+        "tensors": [],
+    }
+    header.update(fields)
+    return [msgpack.packb(header)]
+
+
+@pytest.mark.timeout(300)
+def test_bad_requests_get_an_error_and_disturb_nothing(start_local):
+    server = start_local("--pp-size", "2")
+    bad_sampling = dict(to_wire(SamplingParams()), top_p=0.0)
+    with Client(server.addr) as client:
+        for frames, words in [
+            (raw_generate(prompt=""), "empty"),
+            (raw_generate(prompt="hi", colour="red"), "unknown field 'colour'"),
+            (raw_generate(prompt="hi", sampling=bad_sampling), "top_p"),
+            (raw_generate(prompt=7), "must be a string"),
+            ([b"\xc1not msgpack"], "msgpack"),
+        ]:
+            client.channel.sock.send_multipart(frames)
+            answer = client.channel.recv(timeout_s=30)
+            assert isinstance(answer, Error) and answer.code == "bad_request"
+            assert words in answer.message
+        with pytest.raises(RequestError, match="context length"):
+            list(client.generate("hi " * 10, max_new_tokens=8190))
+        with pytest.raises(RequestError, match="vocabulary"):
+            list(client.generate(input_ids=[10**7]))
+        ok = client.complete("The capital of France is", max_new_tokens=8, temperature=0)
+        assert ok.done.completion_tokens == 8
+
+
+@pytest.mark.timeout(300)
+def test_killing_a_stage_errors_every_client_and_the_launcher_exits_nonzero(start_local):
+    server = start_local("--pp-size", "2")
+    stage_pids = [
+        int(pid)
+        for pid in subprocess.run(
+            ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+    ]
+    assert len(stage_pids) == 2
+
+    async def stream_then_kill():
+        async with AsyncClient(server.addr, timeout_s=60) as client:
+
+            async def one(i: int):
+                try:
+                    await client.complete(f"Story {i}:", max_new_tokens=2000, ignore_eos=True)
+                except RequestError as exc:
+                    return exc.code, time.monotonic()
+                return "finished", time.monotonic()
+
+            tasks = [asyncio.create_task(one(i)) for i in range(4)]
+            await asyncio.sleep(3)
+            killed_at = time.monotonic()
+            os.kill(stage_pids[1], signal.SIGKILL)
+            return killed_at, await asyncio.gather(*tasks)
+
+    killed_at, outcomes = asyncio.run(stream_then_kill())
+    for code, at in outcomes:
+        assert code == "ring_down"
+        assert at - killed_at < 5.0
+    assert server.proc.wait(10) != 0
