@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import time
@@ -12,7 +13,9 @@ import msgpack
 import pytest
 
 from launch.client import AsyncClient, Client, RequestError
-from protocol.messages import Error
+from protocol.channels import ChannelTimeout
+from protocol.codec import encode
+from protocol.messages import Chunk, Done, Error, Generate
 from protocol.sampling import SamplingParams
 from protocol.schema import to_wire
 from tests.e2e.conftest import PROMPTS
@@ -131,3 +134,41 @@ def test_killing_a_stage_errors_every_client_and_the_launcher_exits_nonzero(star
         assert code == "ring_down"
         assert at - killed_at < 5.0
     assert server.proc.wait(10) != 0
+
+
+@pytest.mark.timeout(300)
+def test_2000_malformed_client_messages_while_serving(start_local):
+    from tests.protocol.test_fuzz import mutate, random_junk
+
+    server = start_local("--pp-size", "2")
+    rng = random.Random(21)
+    valid = [bytes(f) for f in encode(Generate(rid="v", prompt="Hi", sampling=SamplingParams(4)))]
+    kinds = [
+        lambda: random_junk(rng),
+        lambda: mutate(valid, rng),
+        lambda: [bytes(f) for f in encode(Done("x", "stop", 1, 1, 0.0, 0.0, 0.0))],  # wrong way
+        lambda: raw_generate(prompt="hi", sampling=dict(to_wire(SamplingParams()), top_k=0)),
+        lambda: raw_generate(input_ids=[-5]),
+    ]
+    with Client(server.addr) as client:
+        reference = client.complete("The capital of France is", max_new_tokens=6, temperature=0)
+        sock = client.channel.sock
+        replies = []
+        for burst in range(20):
+            for _ in range(100):
+                frames = rng.choice(kinds)()
+                if frames:
+                    sock.send_multipart(frames)
+            while True:  # drain until the frontend has answered everything it will
+                try:
+                    replies.append(client.channel.recv(timeout_s=0.3))
+                except ChannelTimeout:
+                    break
+            again = client.complete("The capital of France is", max_new_tokens=6, temperature=0)
+            assert again.text == reference.text, burst
+        errors = [r for r in replies if isinstance(r, Error)]
+        assert len(errors) > 1500
+        assert all(e.code == "bad_request" for e in errors)
+        # A mutation that happens to be a valid request is served like any other.
+        assert all(isinstance(r, (Error, Chunk, Done)) for r in replies)
+    assert server.proc.poll() is None
