@@ -30,6 +30,16 @@ LLAMA3_SCALING = {
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_thread() -> Iterator[None]:
+    # With two OpenMP threads on two cores, any other busy process stalls every parallel op at
+    # its barrier: the suite measured 5x slower under load. One thread is steady.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _offline_hub() -> Iterator[None]:
     # Nothing here may reach a model hub; transformers honours this for every from_pretrained.
     with pytest.MonkeyPatch.context() as mp:
