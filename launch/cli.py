@@ -13,11 +13,16 @@ import sys
 # name -> (module with `main(argv) -> int | None`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("launch.local", "start every stage of a ring on this machine, plus the frontend"),
+    "serve": (
+        "launch.serve",
+        "one process per node: this node's stage (node 0: also the frontend)",
+    ),
     "generate": ("launch.generate", "stream one completion from a running ring to stdout"),
     "prepare-model": (
         "launch.prepare_model",
         "convert the default model (SmolLM2-135M-Instruct) into the cache; print its folder",
     ),
+    "plan": ("launch.plan", "KV capacity, wire bytes and bubbles of TP / PP / TPxPP layouts"),
 }
 
 

@@ -44,7 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def stage_argv(args: argparse.Namespace, rank: int, model_dir: Path) -> list[str]:
+def stage_argv(
+    args: argparse.Namespace, rank: int, model_dir: Path, ring_hosts: list[str] | None = None
+) -> list[str]:
     argv = [
         sys.executable, "-m", "launch.stage", "--rank", str(rank),
         "--host", args.host, "--port", str(args.port), "--transport", "tcp",
@@ -65,6 +67,8 @@ def stage_argv(args: argparse.Namespace, rank: int, model_dir: Path) -> list[str
     ]  # fmt: skip
     if args.pp_max_micro_batch_size is not None:
         argv += ["--pp-max-micro-batch-size", str(args.pp_max_micro_batch_size)]
+    if ring_hosts:
+        argv += ["--ring-hosts", ",".join(ring_hosts)]
     return argv
 
 

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         "--transport", choices=("tcp", "ipc"), default="tcp", help="ipc: stages on one host"
     )
     parser.add_argument("--run-id", default="ppring", help="names ipc sockets apart")
+    parser.add_argument(
+        "--ring-hosts", default=None, help="comma-separated host of every stage (multi-node)"
+    )
     add_ring_args(parser)
     add_stage_args(parser)
     args = parser.parse_args(argv)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     addrs = RingAddresses(
         cfg.pp_size,
         transport=args.transport,
-        hosts=(args.host,),
+        hosts=tuple(args.ring_hosts.split(",")) if args.ring_hosts else (args.host,),
         base_port=args.port,
         run_id=args.run_id,
     )
