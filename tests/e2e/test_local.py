@@ -59,6 +59,12 @@ def test_32_concurrent_clients_get_what_they_get_alone(start_local):
         assert result.text == alone[prompt]
     assert results[-1].text == seeded_alone  # a seeded request is its own, whatever the batch
     assert all(r.done.finish_reason in ("length", "stop") for r in results)
+    stage_pids = subprocess.run(
+        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert server.stop() == 0  # SIGTERM: a graceful shutdown round the ring
+    for pid in stage_pids:  # and no orphans
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
 def raw_generate(**fields) -> list[bytes]:
