@@ -64,14 +64,18 @@ class Batch:
 
 
 def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
-    """A short hash of everything that shapes the batch's tensors and its outputs."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(f"{slot}:{step}".encode())
+    """A short hash of everything that shapes the batch's tensors and its outputs.
+
+    Block tables only grow at the end, from allocators that replay the same calls, so the
+    table's length and last block stand for the whole table: O(1) per request per step."""
+    parts = [f"{slot}:{step}"]
     for e in entries:
         c = e.chunk
-        h.update(f"|{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:".encode())
-        h.update(",".join(map(str, c.block_ids)).encode())
-    return h.hexdigest()
+        last_block = c.block_ids[-1] if c.block_ids else -1
+        parts.append(
+            f"{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:{len(c.block_ids)}:{last_block}"
+        )
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 
 
 @dataclass
@@ -286,7 +290,7 @@ class Scheduler:
         extra = blocks_needed(start + num_tokens) - len(req.block_ids)
         if extra > 0:
             req.block_ids += self.allocator.allocate(extra)
-        token_ids = req.all_ids[start : start + num_tokens]
+        token_ids = req.token_slice(start, start + num_tokens)
         req.num_computed = start + num_tokens
         sample = req.num_computed == req.seq_len
         return BatchEntry(req, SeqChunk(token_ids, start, list(req.block_ids), sample))
