@@ -1,6 +1,6 @@
 """Ring simulation benchmark: the real loop and transport, simulated stages that sleep.
 
-    python -m bench.ring [--t0-ms 5] [--steps 200] [--transport inproc]
+    python -m bench.ring [--t0-ms 5] [--steps 400] [--processes]
 
 Prints, from one run:
 - pipeline efficiency vs S: measured micro-batches per second x t0 (1.0 = one micro-batch
@@ -56,13 +56,16 @@ def measure(
         (f"b{i}", [1], SamplingParams(max_new_tokens=rounds, seed=i))
         for i in range(PER_SLOT * num_batches)
     ]
-    with ThreadRing(cfg, make, ModelInfo(context_length=1 << 20), f"bench{next(_ids)}") as ring:
-        start = time.monotonic()
-        ring.driver.submit_many(requests)
-        ring.driver.wait_finished([r[0] for r in requests], timeout_s=600)
-        elapsed = time.monotonic() - start
-        busy = ring.loops[0].stats.busy_s
-        ring.stop()
+    if PROCESSES:
+        elapsed, busy = _run_processes(cfg, t0_s, sample_delay_s, requests)
+    else:
+        with ThreadRing(cfg, make, ModelInfo(context_length=1 << 20), f"b{next(_ids)}") as ring:
+            start = time.monotonic()
+            ring.driver.submit_many(requests)
+            ring.driver.wait_finished([r[0] for r in requests], timeout_s=600)
+            elapsed = time.monotonic() - start
+            busy = ring.loops[0].stats.busy_s
+            ring.stop()
     tokens = len(requests) * rounds
     batches_per_s = tokens / PER_SLOT / elapsed
     return {
@@ -72,11 +75,41 @@ def measure(
     }
 
 
+def _run_processes(cfg: RingConfig, t0_s: float, delay_s: float, requests) -> tuple[float, float]:
+    """The same load on S stage processes over loopback TCP. Busy time is not reported back
+    from the processes; the idle table is measured with threads."""
+    from launch.procs import ProcessRing
+
+    args = [
+        "--stage-impl", "sim", "--sim-t0-ms", str(t0_s * 1000),
+        "--sim-sample-delay-ms", str(delay_s * 1000),
+        "--pp-async-batch-depth", str(cfg.pp_async_batch_depth),
+        "--max-running-requests", str(cfg.max_running_requests),
+        "--pp-max-micro-batch-size", str(cfg.pp_max_micro_batch_size),
+    ]  # fmt: skip
+    with ProcessRing(cfg.pp_size, args) as ring:
+        ring.wait_ready(timeout_s=120)
+        start = time.monotonic()
+        ring.driver.submit_many(requests)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=600)
+        elapsed = time.monotonic() - start
+        ring.shutdown()
+    return elapsed, float("nan")
+
+
+PROCESSES = False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="ring simulation benchmark")
     parser.add_argument("--t0-ms", type=float, default=5.0)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument(
+        "--processes", action="store_true", help="stages as processes over loopback TCP"
+    )
     args = parser.parse_args(argv)
+    global PROCESSES
+    PROCESSES = args.processes
     t0 = args.t0_ms / 1000
 
     print(f"pipeline efficiency, filled ring, t0 = {args.t0_ms:g} ms, {PER_SLOT} requests/batch")
@@ -95,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         base = base or r["tokens_per_s"]
         print(f"{depth:>6}{r['tokens_per_s']:>11.0f}{r['tokens_per_s'] / base:>11.2f}x")
 
+    if PROCESSES:
+        return
     print(f"\nidle fraction of stage 0, S=4, t0 = {args.t0_ms:g} ms (seed: 1 - M/S when M < S)")
     print(f"{'M':>3}{'measured':>10}{'seed':>8}")
     for num_batches in (1, 2, 3, 4):
