@@ -24,6 +24,11 @@ from protocol.errors import ProtocolError
 from protocol.messages import ALL_KINDS
 from protocol.schema import Limits, TensorField, field_types, from_wire, tensor_fields, to_wire
 
+# ZeroMQ's frames are read-only memoryviews and torch says so once per process; a stage only
+# reads its inputs (tests/stages/test_runner.py checks). Filtered once here: a
+# catch_warnings() block per tensor cost more than the rest of decoding it.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
 PROTOCOL_VERSION = 1
 DEFAULT_LIMITS = Limits()
 
@@ -132,13 +137,18 @@ def _tensor_to_frame(name: str, tensor: Any) -> tuple[dict[str, Any], Any]:
     dtype_name = str(tensor.dtype).removeprefix("torch.")
     if dtype_name not in DTYPES:
         raise ProtocolError(f"tensor {name} has dtype {dtype_name}, not one of {list(DTYPES)}")
-    # contiguous() and cpu() return the tensor itself when nothing needs copying.
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
     meta = {"name": name, "dtype": dtype_name, "shape": list(tensor.shape)}
-    if flat.numel() == 0:
+    if tensor.numel() == 0:
         return meta, b""
-    # Viewing as bytes works for every dtype, bfloat16 included (numpy has no bfloat16).
-    return meta, memoryview(flat.view(torch.uint8).numpy())
+    # Each call is skipped when it has nothing to do: every torch call costs microseconds.
+    flat = tensor.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)  # numpy has no bfloat16; the bytes are what travel
+    return meta, memoryview(flat.numpy()).cast("B")
 
 
 def _frame_to_tensor(name: str, meta: Any, frame: Frame, nbytes: int, limits: Limits) -> Any:
@@ -167,10 +177,7 @@ def _frame_to_tensor(name: str, meta: Any, frame: Frame, nbytes: int, limits: Li
     dtype = getattr(torch, DTYPES[dtype_name][0])
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # ZeroMQ's frames are read-only memoryviews; the stage only reads its inputs.
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.frombuffer(_buffer(frame), dtype=dtype).view(shape)
+    tensor = torch.frombuffer(_buffer(frame), dtype=dtype).view(shape)
     if tensor.data_ptr() % tensor.element_size():
         tensor = tensor.clone()  # an unaligned frame: rare, and kernels want aligned data
     return tensor
