@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from launch.procs import ProcessGroup
 from launch.stage import add_ring_args, add_stage_args
@@ -148,7 +149,13 @@ def run_frontend(
     return asyncio.run(_serve(args, addrs, tokenizer, context_length, group))
 
 
-async def _serve(args, addrs, tokenizer, context_length, group: ProcessGroup) -> int:
+async def _serve(
+    args: argparse.Namespace,
+    addrs: RingAddresses,
+    tokenizer: Any,
+    context_length: int,
+    group: ProcessGroup,
+) -> int:
     from launch.frontend import Frontend
 
     frontend = Frontend(
@@ -174,15 +181,16 @@ async def _serve(args, addrs, tokenizer, context_length, group: ProcessGroup) ->
         loop.add_signal_handler(sig, on_signal)
     serve = asyncio.create_task(frontend.serve())
     started = time.monotonic()
+    announced = False
     exit_code = 0
     try:
         while not frontend.stopped.is_set():
-            if frontend.ring_ready.is_set() and started is not None:
+            if frontend.ring_ready.is_set() and not announced:
                 blocks = frontend.ring_info.get("num_kv_blocks", 0)
                 print(f"KV blocks agreed: {blocks} ({blocks * 16} tokens)", flush=True)
                 print(f"ready: {frontend.addr}", flush=True)
-                started = None
-            elif started is not None and time.monotonic() - started > READY_TIMEOUT_S:
+                announced = True
+            elif not announced and time.monotonic() - started > READY_TIMEOUT_S:
                 frontend.ring_down("the ring was not ready in time")
                 exit_code = 1
                 break

@@ -23,17 +23,31 @@ from ring.topology import RingAddresses
 from stages.runner import Stage
 
 
-def build_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
-    """Bind this stage's PULL, connect its PUSH to the next stage; stage 0 also gets the
-    frontend links. Connecting before the peer binds is fine: start-up order is free."""
+def bind_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
+    """This stage's receiving ends: its PULL from the predecessor; stage 0 also the intake."""
     links = Links()
     if cfg.pp_size > 1:
         links.prev = PullChannel(addrs.stage(cfg.rank), ctx=ctx)
-        links.next = PushChannel(addrs.next_stage(cfg.rank), ctx=ctx)
     if cfg.is_first_stage:
         links.intake = PullChannel(addrs.intake(), ctx=ctx)
+    return links
+
+
+def connect_links(
+    links: Links, cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None
+) -> Links:
+    """This stage's sending ends: its PUSH to the next stage; stage 0 also the deltas."""
+    if cfg.pp_size > 1:
+        links.next = PushChannel(addrs.next_stage(cfg.rank), ctx=ctx)
+    if cfg.is_first_stage:
         links.deltas = PushChannel(addrs.deltas(), ctx=ctx)
     return links
+
+
+def build_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
+    """Both ends at once. Over tcp, connecting before the peer binds is fine: start-up order
+    is free."""
+    return connect_links(bind_links(cfg, addrs, ctx), cfg, addrs, ctx)
 
 
 class RingDriver:
@@ -114,22 +128,14 @@ class ThreadRing:
     def __enter__(self) -> ThreadRing:
         self.ctx = zmq.Context()
         self.addrs = RingAddresses(self.cfg.pp_size, transport="inproc", run_id=self.run_id)
-        # Bind every PULL before any PUSH connects (inproc needs the binder first, unlike tcp).
+        # inproc needs the binding side first (tcp does not): every stage binds, then the
+        # driver (which binds the deltas PULL stage 0 connects to), then every stage connects.
+        cfgs = [dataclasses.replace(self.cfg, rank=rank) for rank in range(self.cfg.pp_size)]
+        links = [bind_links(c, self.addrs, self.ctx) for c in cfgs]
         self.driver = RingDriver(self.addrs, self.ctx)
-        for rank in range(self.cfg.pp_size):
-            stage_cfg = dataclasses.replace(self.cfg, rank=rank)
-            links = Links()
-            if stage_cfg.pp_size > 1:
-                links.prev = PullChannel(self.addrs.stage(rank), ctx=self.ctx)
-            if stage_cfg.is_first_stage:
-                links.intake = PullChannel(self.addrs.intake(), ctx=self.ctx)
-            self.loops.append(StageLoop(stage_cfg, self.make_stage(stage_cfg), links, self.model))
-        for loop in self.loops:
-            if loop.cfg.pp_size > 1:
-                loop.links.next = PushChannel(self.addrs.next_stage(loop.cfg.rank), ctx=self.ctx)
-            if loop.cfg.is_first_stage:
-                loop.links.deltas = PushChannel(self.addrs.deltas(), ctx=self.ctx)
-        self.driver.intake = PushChannel(self.addrs.intake(), ctx=self.ctx)
+        for c, stage_links in zip(cfgs, links):
+            connect_links(stage_links, c, self.addrs, self.ctx)
+            self.loops.append(StageLoop(c, self.make_stage(c), stage_links, self.model))
         self.threads = [
             threading.Thread(target=self._run, args=(loop,), name=f"pp{loop.cfg.rank}", daemon=True)
             for loop in self.loops

@@ -107,7 +107,6 @@ class StageLoop:
         self.aborted_all = False
         self.last_heard = time.monotonic()
         self.next_ctrl_seq = 0
-        self.ring_ready = False
 
     # -- start-up: agree the KV capacity around the ring --------------------------------------
 
@@ -148,7 +147,6 @@ class StageLoop:
         self.scheduler = Scheduler(
             self.cfg, agreed, self.model.context_length, self.model.eos_token_ids
         )
-        self.ring_ready = True
         logger.info(
             "%s ring ready: %d KV blocks agreed, %d slots",
             self.prefix,
@@ -162,7 +160,7 @@ class StageLoop:
     def run(self) -> int:
         """Run until shutdown (returns 0) or a fatal ring error (returns 1)."""
         try:
-            if not self.ring_ready:
+            if self.scheduler is None:  # the handshake builds it
                 self.handshake()
             if self.cfg.is_first_stage and self.links.deltas is not None:
                 self.links.deltas.send(
