@@ -52,16 +52,19 @@ class DemuxReceiver:
             # Never below zero: a zero timeout still reads what is already queued.
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                msg = self._recv_one(remaining)
+                msgs = self._recv_bundle(remaining)
             except ChannelTimeout:
                 raise ChannelTimeout(
                     f"no {kind} message on {self.channel.addr} within {timeout_s:.3g} s"
                 ) from None
-            if msg is None:
-                continue
-            if msg.kind == kind or msg.kind in also:
-                return msg
-            self.stash[msg.kind].append(msg)
+            found = None
+            for msg in msgs:  # in arrival order: the first wanted one is returned
+                if found is None and (msg.kind == kind or msg.kind in also):
+                    found = msg
+                else:
+                    self.stash[msg.kind].append(msg)
+            if found is not None:
+                return found
 
     def poll(self, kind: str, timeout_s: float = 0.0) -> Any | None:
         """Like recv, but returns None instead of raising on timeout."""
@@ -70,21 +73,35 @@ class DemuxReceiver:
         except ChannelTimeout:
             return None
 
+    def prefetch(self, until: float) -> None:
+        """Read and stash what arrives until `until` (time.monotonic()), so that later `recv`s
+        find it decoded. The ring loop calls this while its forward runs: the next step's
+        messages are then decoded off the critical path. ZeroMQ polls in whole milliseconds,
+        so it stops at the last whole millisecond before `until` rather than spin."""
+        while (remaining_ms := int((until - time.monotonic()) * 1000)) >= 1:
+            if not self.channel.poll(remaining_ms / 1000):
+                return
+            for msg in self._recv_bundle(0.0):
+                self.stash[msg.kind].append(msg)
+
     def pending(self, kind: str) -> int:
         return len(self.stash[kind])
 
-    def _recv_one(self, timeout_s: float | None) -> Any | None:
+    def _recv_bundle(self, timeout_s: float | None) -> list[Any]:
+        """The messages of the next ZeroMQ message (a sender may bundle several), each checked
+        for sequence; [] if it was undecodable (then all of it is dropped)."""
         try:
-            msg = self.channel.recv(timeout_s)
+            msgs = self.channel.recv_many(timeout_s)
         except SequenceError:
             raise
         except ProtocolError as exc:
             self.num_dropped += 1
             logger.warning("dropped a bad message on %s: %s", self.channel.addr, exc)
-            return None
-        if msg.kind in self.next_step:
-            self._check_sequence(msg)
-        return msg
+            return []
+        for msg in msgs:
+            if msg.kind in self.next_step:
+                self._check_sequence(msg)
+        return msgs
 
     def _check_sequence(self, msg: Any) -> None:
         expected = self.next_step[msg.kind]

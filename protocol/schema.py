@@ -36,6 +36,7 @@ class Limits:
     max_tensor_ndim: int = 8
     max_list_len: int = 1 << 20
     max_str_len: int = 1 << 22
+    max_bundle: int = 32  # messages in one ZeroMQ message (a ring link's step bundle)
 
 
 @functools.cache
@@ -77,19 +78,31 @@ def from_wire(
 ) -> Any:
     """Build `cls` from a decoded map (which must name exactly its non-tensor fields) and the
     already-decoded tensors."""
-    types_by_name = field_types(cls)
-    wire_names = {n for n, tp in types_by_name.items() if tp is not TensorField}
-    unknown = set(fields) - wire_names
-    if unknown:
-        raise ProtocolError(f"{path or cls.__name__} has unknown field {sorted(unknown)[0]!r}")
-    missing = wire_names - set(fields)
-    if missing:
+    wire_names, wire_fields = _wire_fields(cls)
+    if fields.keys() != wire_names:
+        unknown = set(fields) - wire_names
+        if unknown:
+            raise ProtocolError(f"{path or cls.__name__} has unknown field {sorted(unknown)[0]!r}")
+        missing = wire_names - set(fields)
         raise ProtocolError(f"{path or cls.__name__} is missing field {sorted(missing)[0]!r}")
-    kwargs = {
-        name: _check(fields[name], types_by_name[name], f"{path}{name}", limits)
-        for name in wire_names
-    }
-    return _construct(cls, {**kwargs, **(tensors or {})})
+    kwargs = tensors.copy() if tensors else {}
+    for name, tp in wire_fields:
+        value = fields[name]
+        # The common cases without a call: ints and short strings, most of a ring header.
+        if tp is int and type(value) is int:
+            kwargs[name] = value
+        elif tp is str and type(value) is str and len(value) <= limits.max_str_len:
+            kwargs[name] = value
+        else:
+            kwargs[name] = _check(value, tp, f"{path}{name}", limits)
+    return _construct(cls, kwargs)
+
+
+@functools.cache
+def _wire_fields(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Any], ...]]:
+    """The fields that travel in the header: their names, and (name, type) pairs."""
+    pairs = tuple((n, tp) for n, tp in field_types(cls).items() if tp is not TensorField)
+    return frozenset(n for n, _ in pairs), pairs
 
 
 def _construct(cls: type, kwargs: dict[str, Any]) -> Any:

@@ -16,6 +16,12 @@ Iteration `step` handles slot `step % pp_loop_size`:
 Sending the proxy before waiting for an output (step 4 before 5) is the reordering SGLang's
 event_loop_pp docstring allows: the next stage starts as early as possible.
 
+Overlap: the forward is launched, and while it runs the loop does step 5 and then steps 1-2 of
+the next step (SGLang's overlap scheduling: the CPU schedules while the device computes). The
+scheduler sees its inputs in exactly the order above, so decisions do not change; what leaves
+the critical path is everything but receiving and sending the seam. With one slot
+(pp_loop_size 1) the next decision needs this step's output, so nothing overlaps.
+
 First/middle/last behaviour is fixed when the loop is built (which links exist, which stage
 object runs); the loop body never asks for its rank.
 """
@@ -32,7 +38,7 @@ import zmq
 
 from protocol.channels import ChannelTimeout, PullChannel, PushChannel
 from protocol.demux import DemuxReceiver, SequenceError
-from protocol.messages import Ctrl, Deltas, NewRequest, Output, Proxy, Reqs
+from protocol.messages import Ctrl, Deltas, NewRequest, Output, Proxy, Reqs, RequestDelta
 from ring.config import RingConfig
 from ring.scheduler import Batch, DivergenceError, Scheduler, batch_digest
 from stages.batch import SampleResult
@@ -103,6 +109,8 @@ class StageLoop:
         self.scheduler: Scheduler | None = None
         self.pending_results: deque[tuple[Batch, Any]] = deque()  # last stage: not yet sent
         self.own_outputs: dict[int, Output] = {}  # last stage: step -> output to apply later
+        self.prepared: Batch | None = None  # the next step's batch, decided during a forward
+        self.deltas: list[RequestDelta] = []  # for the frontend, sent once per step
         self.shutting_down = False
         self.aborted_all = False
         self.last_heard = time.monotonic()
@@ -188,35 +196,85 @@ class StageLoop:
             self.links.close()
 
     def _step(self, step: int) -> bool:
-        slot = step % self.cfg.pp_loop_size
-        reqs = self._take_reqs(slot, step)
-        if reqs is None:
+        if self.prepared is None:
+            self.prepared = self._prepare(step, may_block=True)
+        batch, self.prepared = self.prepared, None
+        if batch is None:
             return False  # shutdown went round the ring
-        deltas = self.scheduler.apply_reqs(reqs)
-        batch, finished = self.scheduler.decide(slot, step)
-        deltas += finished
-        batch = self._maybe_diverge(batch)
         seam = self._take_proxy(batch)
+        pending = None
         if batch.entries:
             started = time.monotonic()
-            result = self.stage.run(batch.chunks, **seam, **self._sampling_args(batch))
+            pending = self.stage.launch(batch.chunks, **seam, **self._sampling_args(batch))
+        if pending is not None and pending.overlaps and self.cfg.pp_loop_size > 1:
+            self._overlap(step, batch, pending)
+            result = pending.wait()
             self.stats.busy_s += time.monotonic() - started
-        else:  # an empty slot: nothing to compute, but the step's messages still go out
-            result = SampleResult(token_ids=[]) if self.cfg.is_last_stage else empty_seam()
-        self._send_result(batch, result)
-        due = step + 1 - self.cfg.pp_loop_size
-        if due >= 0:
-            deltas += self.scheduler.apply_output(self._take_output(due))
-        if deltas and self.links.deltas is not None:
-            self.links.deltas.send(Deltas(step=step, deltas=deltas))
+            if self.cfg.is_last_stage:
+                self._send_result(batch, result)
+        else:
+            if pending is not None:
+                result = pending.wait()
+                self.stats.busy_s += time.monotonic() - started
+            else:  # an empty slot: nothing to compute, but the step's messages still go out
+                result = SampleResult(token_ids=[]) if self.cfg.is_last_stage else empty_seam()
+            self._send_result(batch, result)
+            self._flush()  # the next stage can start now, not once the due output is here
+            self._apply_due_output(step)
+        self._flush()
+        self._send_deltas(step)
         self.stats.steps += 1
         return True
 
+    def _overlap(self, step: int, batch: Batch, pending: Any) -> None:
+        """While the forward runs, everything the next step needs, in the same order as without
+        overlap: this step's due output, then the next step's reqs and decision. The next slot
+        differs from this one (pp_loop_size > 1), so nothing decided here touches a block the
+        running batch reads. The proxy's header is encoded meanwhile too (its tensors exist,
+        the device is filling them; ZeroMQ reads them at the flush, after the wait)."""
+        self._apply_due_output(step)
+        self.prepared = self._prepare(step + 1, may_block=False)
+        self._send_deltas(step)
+        if not self.cfg.is_last_stage:
+            self._send_result(batch, pending.early_output)
+        if self.receiver is not None:  # decode what arrives before the forward ends
+            self.receiver.prefetch(pending.ready_at)
+
+    def _flush(self) -> None:
+        """What this step queued for the next stage (reqs, output, proxy) leaves as one message.
+        Nothing this stage waited for during the step depends on it: a stage's step k needs
+        only its predecessor's step k and the last stage's earlier steps."""
+        if self.links.next is not None:
+            self.links.next.flush()
+
+    def _send_deltas(self, step: int) -> None:
+        """Stage 0: tell the frontend what happened to its requests (tokens, finishes)."""
+        if self.deltas and self.links.deltas is not None:
+            self.links.deltas.send(Deltas(step=step, deltas=self.deltas))
+        self.deltas = []
+
+    def _prepare(self, step: int, may_block: bool) -> Batch | None:
+        """Steps 1 and 2 for `step`: take its reqs and decide its batch. None: shutdown."""
+        slot = step % self.cfg.pp_loop_size
+        reqs = self._take_reqs(slot, step, may_block)
+        if reqs is None:
+            return None
+        self.deltas += self.scheduler.apply_reqs(reqs)
+        batch, finished = self.scheduler.decide(slot, step)
+        self.deltas += finished
+        return self._maybe_diverge(batch)
+
+    def _apply_due_output(self, step: int) -> None:
+        """Step 5: apply the output of the slot that comes next (`step + 1 - pp_loop_size`)."""
+        due = step + 1 - self.cfg.pp_loop_size
+        if due >= 0:
+            self.deltas += self.scheduler.apply_output(self._take_output(due))
+
     # -- step 1: requests ---------------------------------------------------------------------
 
-    def _take_reqs(self, slot: int, step: int) -> Reqs | None:
+    def _take_reqs(self, slot: int, step: int, may_block: bool) -> Reqs | None:
         if self.cfg.is_first_stage:
-            reqs = self._gather_intake(slot, step)
+            reqs = self._gather_intake(slot, step, may_block)
         else:
             started = time.monotonic()
             msg = self._recv("reqs")
@@ -225,15 +283,23 @@ class StageLoop:
                 return None
             reqs = msg
         if reqs is not None and self.is_multi and not self.cfg.is_last_stage:
-            self.links.next.send(reqs)
+            self.links.next.queue(reqs)
         return reqs
 
-    def _gather_intake(self, slot: int, step: int) -> Reqs | None:
-        """Stage 0: drain the frontend without blocking; block (with heartbeats) when idle."""
+    def _gather_intake(self, slot: int, step: int, may_block: bool) -> Reqs | None:
+        """Stage 0: drain the frontend without blocking; block (with heartbeats) when idle.
+        With a forward running (`may_block` False) the ring is not idle, so it never blocks
+        nor shuts the ring down there."""
         new: list[NewRequest] = []
         aborts: list[str] = []
         while True:
-            block = not new and not aborts and self.scheduler.is_idle() and not self.shutting_down
+            block = (
+                may_block
+                and not new
+                and not aborts
+                and self.scheduler.is_idle()
+                and not self.shutting_down
+            )
             msg = self._next_intake(block)
             if msg is None:
                 break
@@ -249,7 +315,7 @@ class StageLoop:
             if not self.aborted_all:
                 aborts += list(self.scheduler.requests)
                 self.aborted_all = True
-            if self.scheduler.is_idle() and not new:
+            if may_block and self.scheduler.is_idle() and not new:
                 self._shutdown_ring(step)
                 return None
         return Reqs(slot=slot, step=step, new=new, aborts=aborts)
@@ -318,7 +384,7 @@ class StageLoop:
         if not self.cfg.is_last_stage:
             if self.cfg.debug_fault == ("drop", self.cfg.rank, batch.step):
                 return  # fault injection: the proxy is lost
-            self.links.next.send(
+            self.links.next.queue(
                 Proxy(
                     batch.slot,
                     batch.step,
@@ -345,7 +411,7 @@ class StageLoop:
             output = Output(batch.slot, batch.step, batch.digest, sample.token_ids, sample.logprobs)
             self.own_outputs[batch.step] = output
             if self.is_multi:
-                self.links.next.send(output)
+                self.links.next.queue(output)
 
     # -- step 5: outputs ------------------------------------------------------------------------
 
@@ -361,7 +427,7 @@ class StageLoop:
                 f"{self.prefix} expected the output of step {due}, got step {output.step}"
             )
         if self.cfg.rank + 1 < self.cfg.pp_size - 1:  # the last stage made it: don't send back
-            self.links.next.send(output)
+            self.links.next.queue(output)
         return output
 
     # -- receiving, control, shutdown -------------------------------------------------------------

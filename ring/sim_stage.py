@@ -1,7 +1,8 @@
 """A simulated stage: the real loop and transport, a forward that only takes time.
 
-Its forward sleeps `t0_s + t_token_s * T` (no CPU burned, like a GPU kernel the CPU waits on),
-passes seam tensors of the configured width, and its last stage "samples" a token that depends
+Its forward takes `t0_s + t_token_s * T` from `launch` (no CPU burned, like GPU kernels: the loop
+prepares the next step meanwhile and sleeps only when it must wait for the result), passes seam
+tensors of the configured width, and its last stage "samples" a token that depends
 only on (request seed, position), so a test knows every token each request must receive
 (`expected_token`). `sample_delay_s` models the last stage's straggler: the sampled tokens are
 ready that long after the forward ends, while the stage itself can already run the next batch
@@ -18,7 +19,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages.batch import SampleResult, SeqChunk
-from stages.runner import Stage, StageOutput
+from stages.runner import FinishedStep, Stage, StageOutput
 
 SIM_VOCAB = 50_000
 SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
@@ -61,6 +62,7 @@ class SimStage(Stage):
         t_token_s: float = 0.0,
         sample_delay_s: float = 0.0,
         hidden_size: int = 64,
+        overlap: bool = True,
     ) -> None:
         self.is_first_stage = is_first_stage
         self.is_last_stage = is_last_stage
@@ -69,21 +71,29 @@ class SimStage(Stage):
         self.t_token_s = t_token_s
         self.sample_delay_s = sample_delay_s
         self.hidden_size = hidden_size
+        # False: the forward runs inside `launch`, like a CPU stage (StageRunner), and the loop
+        # takes its path without overlap.
+        self.overlap = overlap
         self.allocated_blocks: int | None = None
         self.busy_s = 0.0  # time spent in forwards: the idle fraction is 1 - busy / wall
         self._overshoot_s = 0.0
 
-    def _sleep(self, seconds: float) -> None:
-        """Take `seconds` on average. time.sleep overshoots by 0.1-0.3 ms on a busy 2-core
-        machine, which would count as ring overhead; like a GPU whose kernels take a steady
-        time, the simulated forward pays back the overshoot of one step in the next."""
-        start = time.monotonic()
-        target = seconds - self._overshoot_s
-        if target > 0:
-            time.sleep(target)
-        took = time.monotonic() - start
-        self._overshoot_s = min(max(self._overshoot_s + took - seconds, 0.0), seconds)
-        self.busy_s += took
+    def _wait_until(self, end: float) -> float:
+        """Block until the simulated forward that ends at `end` is over; returns when it was.
+
+        Like a device, the forward ends at `end` whatever the loop does meanwhile; a loop that
+        comes to wait late pays its own lateness. Only the simulation's own error is paid back:
+        time.sleep overshoots by 0.1-0.3 ms on a busy 2-core machine, which would count as ring
+        overhead, so the next forward ends that much earlier (a steady device on average)."""
+        target = end - self._overshoot_s
+        now = time.monotonic()
+        if now >= target:
+            self._overshoot_s = 0.0
+            return now
+        time.sleep(target - now)
+        woke = time.monotonic()
+        self._overshoot_s = min(max(woke - target, 0.0), self.t0_s)
+        return woke
 
     @property
     def num_kv_blocks(self) -> int:
@@ -104,6 +114,19 @@ class SimStage(Stage):
         sampling: Sequence[SamplingParams | None] | None = None,
         histories: Sequence[Sequence[int] | None] | None = None,
     ) -> StageOutput | DeferredSample:
+        return self.launch(chunks, hidden_states, residual, sampling, histories).wait()
+
+    def launch(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> SimForward | FinishedStep:
+        """Check the inputs and start the clock: the forward ends `t0 + t_token * T` from now,
+        while the loop prepares its next step (a device computing, the CPU scheduling)."""
+        started = time.monotonic()
         num_tokens = sum(c.num_tokens for c in chunks)
         if not self.is_first_stage and (hidden_states is None or len(hidden_states) != num_tokens):
             got = None if hidden_states is None else len(hidden_states)
@@ -111,8 +134,14 @@ class SimStage(Stage):
         for chunk in chunks:
             if chunk.block_ids and max(chunk.block_ids) >= (self.allocated_blocks or 0):
                 raise ValueError(f"block table names block {max(chunk.block_ids)} beyond the pool")
-        if chunks:
-            self._sleep(self.t0_s + self.t_token_s * num_tokens)
+        duration = self.t0_s + self.t_token_s * num_tokens if chunks else 0.0
+        forward = SimForward(self, started, started + duration, self._output(chunks, sampling))
+        return forward if self.overlap else FinishedStep(forward.wait())
+
+    def _output(
+        self, chunks: list[SeqChunk], sampling: Sequence[SamplingParams | None] | None
+    ) -> StageOutput:
+        num_tokens = sum(c.num_tokens for c in chunks)
         if not self.is_last_stage:
             # Fresh tensors every step: a buffer handed to ZeroMQ is never written again.
             seam = torch.zeros(num_tokens, self.hidden_size)
@@ -123,7 +152,33 @@ class SimStage(Stage):
                 params = sampling[i] if sampling is not None else None
                 seed = params.seed if params is not None and params.seed is not None else 0
                 tokens.append(expected_token(seed, chunk.seq_len))
-        result = SampleResult(token_ids=tokens)
-        if self.sample_delay_s > 0 and chunks:
-            return DeferredSample(time.monotonic() + self.sample_delay_s, result)
-        return result
+        return SampleResult(token_ids=tokens)
+
+
+@dataclass
+class SimForward:
+    """A simulated forward in progress: `wait()` returns its output once it has ended."""
+
+    stage: SimStage
+    started: float
+    ends_at: float
+    output: StageOutput
+
+    overlaps = True
+
+    @property
+    def early_output(self) -> StageOutput:
+        return self.output
+
+    @property
+    def ready_at(self) -> float:
+        return self.ends_at - self.stage._overshoot_s
+
+    def wait(self) -> StageOutput | DeferredSample:
+        stage = self.stage
+        if self.ends_at > self.started:
+            ended = stage._wait_until(self.ends_at)
+            stage.busy_s += min(ended, self.ends_at) - self.started
+        if stage.sample_delay_s > 0 and stage.is_last_stage and self.ends_at > self.started:
+            return DeferredSample(self.ends_at + stage.sample_delay_s, self.output)
+        return self.output

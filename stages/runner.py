@@ -4,7 +4,8 @@ The ring drives any `Stage` the same way:
 
     stage.num_kv_blocks           # what this stage could hold; the ring agrees the minimum
     stage.allocate_kv(agreed)     # once, before the first run
-    out = stage.run(chunks, **previous_out)   # every step
+    out = stage.run(chunks, **previous_out)   # every step, or:
+    pending = stage.launch(chunks, **previous_out); ...; out = pending.wait()
 
 A non-last stage returns {"hidden_states": [T, d], "residual": [T, d]}, the seam payload the
 next stage's `run` takes as keyword arguments; the last stage returns a `SampleResult` with one
@@ -34,6 +35,26 @@ from stages.weights import load_stage_weights, to_torch_dtype
 logger = logging.getLogger(__name__)
 
 StageOutput = dict[str, torch.Tensor] | SampleResult
+
+
+class FinishedStep:
+    """A step that already ran: `launch`'s handle for a stage that computes on this CPU.
+
+    Any handle has `wait()`, and three attributes for the loop: `overlaps` (the step is still
+    running, so the loop prepares the next one meanwhile), `ready_at` (the time.monotonic() at
+    which `wait()` should return at once; the loop reads its link until then instead of
+    sleeping) and `early_output` (a non-last stage's seam tensors, which exist before the
+    device has filled them, so the proxy's header can be encoded early)."""
+
+    overlaps = False
+    ready_at = 0.0
+
+    def __init__(self, output: StageOutput) -> None:
+        self.output = output
+        self.early_output = output
+
+    def wait(self) -> StageOutput:
+        return self.output
 
 
 class Stage(ABC):
@@ -73,6 +94,21 @@ class Stage(ABC):
         tensors returned are fresh each call and never written again by the stage, so they may
         be handed to the transport without a copy.
         """
+
+    def launch(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> FinishedStep:
+        """Start `run` and return a handle whose `wait()` gives its output. The ring prepares
+        its next step between the two (SGLang's overlap: the CPU schedules while the device
+        computes). A stage whose forward runs on this process's own cores, like StageRunner on
+        CPU, gains nothing from that overlap (the bookkeeping would only steal cores from the
+        matmuls), so by default the step runs here and the handle is already finished."""
+        return FinishedStep(self.run(chunks, hidden_states, residual, sampling, histories))
 
 
 class StageRunner(Stage):

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from protocol.codec import DTYPES, decode, encode
+from protocol.codec import DTYPES, decode, decode_many, encode, encode_many
 from protocol.errors import ProtocolError
-from protocol.messages import ALL_KINDS, Output, Proxy
+from protocol.messages import ALL_KINDS, Output, Proxy, Reqs
 from tests.protocol.conftest import sample_messages
 
 
@@ -94,3 +94,22 @@ def test_decode_names_the_bad_field():
     header["token_ids"], header["extra"] = [1], 1
     with pytest.raises(ProtocolError, match="unknown field 'extra'"):
         decode([msgpack.packb(header)])
+
+
+def test_a_bundle_round_trips_and_decode_refuses_one():
+    msgs = [
+        Reqs(slot=0, step=3, aborts=["a"]),
+        Output(slot=0, step=1, digest="d", token_ids=[1, 2]),
+        Proxy(0, 3, "d", torch.randn(3, 8), torch.randn(3, 8)),
+    ]
+    frames = [bytes(f) for f in encode_many(msgs)]
+    back = decode_many(frames)
+    assert [m.kind for m in back] == ["reqs", "output", "proxy"]
+    assert back[0] == msgs[0] and back[1] == msgs[1]
+    assert torch.equal(back[2].residual, msgs[2].residual)
+    with pytest.raises(ProtocolError, match="reqs needs 1 frames, got 5"):
+        decode(frames)
+    with pytest.raises(ProtocolError, match="more than 2 messages in one bundle"):
+        decode_many(frames, max_messages=2)
+    with pytest.raises(ProtocolError, match="proxy needs 3 frames, got 2"):
+        decode_many(frames[:-1])

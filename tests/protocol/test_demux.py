@@ -128,3 +128,75 @@ def test_a_zero_timeout_still_reads_what_is_queued(link):
     assert receiver.poll("ctrl", 0).op == "heartbeat"  # reads past the reqs, stashing it
     assert receiver.pending("reqs") == 1
     assert receiver.poll("ctrl", 0) is None
+
+
+# -- bundles: a ring stage queues its step's messages and flushes them as one ---------------------
+
+
+def test_a_flushed_bundle_is_one_zmq_message_and_comes_apart_in_order(link):
+    push, pull = link
+    per_kind = ring_messages(2)
+    for msg in (per_kind["output"][0], per_kind["reqs"][0], per_kind["proxy"][0]):
+        push.queue(msg)
+    assert not pull.poll(0.05)  # nothing leaves before the flush
+    push.flush()
+    push.flush()  # an empty flush sends nothing
+    got = pull.recv_many(timeout_s=5)
+    assert [m.kind for m in got] == ["output", "reqs", "proxy"]
+    assert torch.equal(got[2].hidden_states, per_kind["proxy"][0].hidden_states)
+    assert not pull.poll(0.05)
+
+
+def test_demux_hands_out_a_bundle_by_kind(link):
+    push, pull = link
+    receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
+    per_kind = ring_messages(3)
+    for step in range(3):
+        for kind in ("output", "reqs", "proxy"):
+            push.queue(per_kind[kind][step])
+        push.flush()
+    assert [receiver.recv("proxy", timeout_s=5).step for _ in range(3)] == [0, 1, 2]
+    assert [receiver.recv("reqs", timeout_s=5).step for _ in range(3)] == [0, 1, 2]
+    assert [receiver.recv("output", timeout_s=5).step for _ in range(3)] == [0, 1, 2]
+
+
+def test_send_goes_after_what_is_queued_and_a_ctrl_does_not_jump_the_bundle(link):
+    push, pull = link
+    receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
+    push.queue(Reqs(slot=0, step=0))
+    push.send(Ctrl(op="shutdown", rank=0))
+    assert receiver.recv("reqs", timeout_s=5, also=("ctrl",)).kind == "reqs"
+    assert receiver.recv("reqs", timeout_s=5, also=("ctrl",)).op == "shutdown"
+
+
+def test_a_bundle_with_a_bad_part_is_dropped_whole_and_the_gap_is_caught(link):
+    push, pull = link
+    receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
+    push.queue(Reqs(slot=0, step=0))
+    push.flush()
+    good = Reqs(slot=1, step=1)
+    push.queue(good)
+    push.queued.append(b"\xc1not msgpack")  # a corrupted second message in the bundle
+    push.flush()
+    push.send(Reqs(slot=2, step=2))
+    assert receiver.recv("reqs", timeout_s=5).step == 0
+    with pytest.raises(SequenceError, match="expected step 1, got step 2"):
+        receiver.recv("reqs", timeout_s=5)
+    assert receiver.num_dropped == 1
+
+
+def test_prefetch_decodes_what_arrives_before_the_deadline_and_then_returns(link):
+    push, pull = link
+    receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
+    per_kind = ring_messages(1)
+    push.queue(per_kind["output"][0])
+    push.queue(per_kind["proxy"][0])
+    push.flush()
+    started = time.monotonic()
+    receiver.prefetch(started + 0.2)
+    took = time.monotonic() - started
+    assert 0.15 <= took < 1.0  # it waited for more until the deadline, then gave up
+    assert receiver.pending("output") == 1 and receiver.pending("proxy") == 1
+    assert not pull.poll(0)  # everything was read off the socket
+    assert receiver.recv("proxy", timeout_s=0).step == 0
+    receiver.prefetch(time.monotonic() - 1)  # a deadline in the past returns at once

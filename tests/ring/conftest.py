@@ -19,6 +19,7 @@ class SimSpec:
     t0_s: float = 0.0
     t_token_s: float = 0.0
     sample_delay_s: float = 0.0
+    overlap: bool = True
 
 
 def sim_ring(
@@ -34,6 +35,7 @@ def sim_ring(
             t0_s=spec.t0_s,
             t_token_s=spec.t_token_s,
             sample_delay_s=spec.sample_delay_s if stage_cfg.is_last_stage else 0.0,
+            overlap=spec.overlap,
         )
 
     return ThreadRing(cfg, make, ModelInfo(context_length=context_length), f"t{next(_run_ids)}")

@@ -57,6 +57,20 @@ def test_every_request_gets_exactly_its_tokens(pp_size, depth):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("pp_size", "depth"), [(1, 1), (2, 0), (3, 2), (4, 1)])
+def test_a_stage_without_overlap_gets_the_same_tokens(pp_size, depth):
+    """A CPU stage runs its forward inside launch (nothing to overlap with): the loop sends the
+    proxy as soon as it has it and applies the due output afterwards."""
+    rng = random.Random(100 + pp_size * 10 + depth)
+    cfg = RingConfig(pp_size=pp_size, pp_async_batch_depth=depth, max_running_requests=16)
+    requests = random_requests(rng, 60)
+    with sim_ring(cfg, SimSpec(t0_s=0.001, overlap=False)) as ring:
+        submit_at_random_times(ring, requests, rng)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
+        assert_all_exact(ring, requests)
+
+
+@pytest.mark.timeout(120)
 def test_stop_token_ids_finish_a_request_with_stop():
     rng = random.Random(5)
     requests = random_requests(rng, 40, max_new=30)
