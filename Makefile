@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test lint demo bench-codec bench-ring clean
+.PHONY: setup test lint demo bench-codec bench-ring bench-serve clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +36,13 @@ demo: setup
 bench-codec: setup
 	$(BIN)/python -m bench.codec
 
+# Both write their JSON and PNG into bench/results/.
 bench-ring: setup
-	$(BIN)/python -m bench.ring
+	$(BIN)/ppring bench ring --out bench/results
+
+bench-serve: setup
+	$(BIN)/ppring prepare-model
+	$(BIN)/ppring bench serve --out bench/results
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -23,6 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "convert the default model (SmolLM2-135M-Instruct) into the cache; print its folder",
     ),
     "plan": ("launch.plan", "KV capacity, wire bytes and bubbles of TP / PP / TPxPP layouts"),
+    "bench": (
+        "launch.bench",
+        "measure: `bench serve` (vs HF generate) or `bench ring` (simulated)",
+    ),
 }
 
 

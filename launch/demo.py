@@ -6,14 +6,11 @@ Everything it starts is stopped by PID when it ends, also on Ctrl-C or an error.
 from __future__ import annotations
 
 import os
-import select
-import signal
 import subprocess
 import sys
-import time
 
 from launch.client import Client
-from launch.procs import ROOT, find_free_base_port
+from launch.procs import ROOT, ProcessGroup, find_free_base_port, wait_for_ready_line
 
 QUESTION = "What is pipeline parallelism, in two sentences?"
 READY_TIMEOUT_S = 300.0
@@ -26,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     print("$ ppring local --pp-size 2 --port", port, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
-        addr = wait_ready(server)
+        addr = wait_for_ready_line(server, READY_TIMEOUT_S, echo=True)
         print(f"\n$ ppring generate --chat {QUESTION!r}", flush=True)
         with Client(addr) as client:
             messages = [{"role": "user", "content": QUESTION}]
@@ -41,33 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(10)
-
-
-def wait_ready(server: subprocess.Popen) -> str:
-    """Echo the server's start-up summary until its `ready:` line; return the address."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    buffer = b""
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"ppring local exited with code {server.returncode}")
-        if time.monotonic() > deadline:
-            raise SystemExit("ppring local was not ready in time")
-        readable, _, _ = select.select([server.stdout], [], [], 0.5)
-        if not readable:
-            continue
-        buffer += os.read(server.stdout.fileno(), 65536)
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            text = line.decode()
-            print("  " + text, flush=True)
-            if text.startswith("ready: "):
-                return text.removeprefix("ready: ")
+        ProcessGroup([server]).stop(grace_s=30)  # SIGTERM: a graceful ring shutdown
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -44,6 +45,29 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def wait_for_ready_line(server: subprocess.Popen, timeout_s: float, echo: bool = False) -> str:
+    """Read `ppring local`'s stdout (a pipe) until its `ready: ADDR` line and return ADDR;
+    `echo` prints each line, indented, as it comes. SystemExit if it exits or is too slow."""
+    deadline = time.monotonic() + timeout_s
+    buffer = b""
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"ppring local exited with code {server.returncode}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"ppring local was not ready within {timeout_s:.0f} s")
+        readable, _, _ = select.select([server.stdout], [], [], 0.5)
+        if not readable:
+            continue
+        buffer += os.read(server.stdout.fileno(), 65536)
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            text = line.decode(errors="replace")
+            if echo:
+                print("  " + text, flush=True)
+            if text.startswith("ready: "):
+                return text.removeprefix("ready: ").strip()
 
 
 @dataclass

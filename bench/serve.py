@@ -1,0 +1,448 @@
+"""`ppring bench serve`: the serving sweep, every layout and the baseline side by side in one run.
+
+    ppring bench serve [--quick] [--pp-sizes 1,2] [--concurrency 32] [--out DIR]
+
+For each layout it starts a local ring itself (`ppring local`, stages sharing this machine's
+cores: PP=1 gets every thread, PP=2 half each), then sends the same seeded workload
+(bench/workload.py) as
+- a closed loop of `--concurrency` requests in flight (saturation: as soon as one finishes the
+  next is sent), and
+- Poisson arrivals at a sweep of rates from light load to past saturation (the rates are
+  fractions of the first layout's closed-loop capacity, so every layout sees the same rates).
+It records per request TTFT, TPOT and end-to-end latency as the client sees them, and per run
+the output tokens/s. Then the same prompts go through Hugging Face `generate` on static batches
+of the same concurrency (bench/hf_baseline.py). It writes `bench_serve.json` and
+`bench_serve.png` (TPOT p50/p99 vs rate, output tokens/s vs rate) into `--out`, and prints a
+table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.workload import Workload, make_workload
+
+FULL_RATE_FRACTIONS = (0.15, 0.4, 0.7, 1.0)
+QUICK_RATE_FRACTIONS = (0.15, 0.75)
+# (requests, prompt tokens, output tokens, seconds of arrivals per rate, requests per rate >=)
+FULL = (64, "16,512", "16,128", 40.0, 6)
+QUICK = (32, "16,256", "8,48", 15.0, 4)
+READY_TIMEOUT_S = 600.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="ppring bench serve", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2)")
+    parser.add_argument("--pp-sizes", default="1,2", help="layouts to compare, e.g. 1,2,4")
+    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop requests")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 64 (quick 32)")
+    parser.add_argument(
+        "--rates", default=None, help="requests/s to sweep, e.g. 0.5,1,2 (default: fractions "
+        "of the first layout's closed-loop capacity)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--point-seconds", type=float, default=None,
+        help="how long each rate's arrivals last, at most (default 40, quick 15)",
+    )  # fmt: skip
+    parser.add_argument("--prompt-tokens", default=None, help="MIN,MAX, log-uniform (16,512)")
+    parser.add_argument("--output-tokens", default=None, help="MIN,MAX, uniform (16,128)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores to use")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-baseline", action="store_true", help="skip HF generate")
+    parser.add_argument("--quick", action="store_true", help="a small sweep: under 5 minutes")
+    parser.add_argument("--out", type=Path, default=Path("."), help="where JSON and PNG go")
+    args = parser.parse_args(argv)
+    num, prompt, output, seconds, args.min_point_requests = QUICK if args.quick else FULL
+    args.num_requests = args.num_requests or num
+    args.prompt_tokens = args.prompt_tokens or prompt
+    args.output_tokens = args.output_tokens or output
+    args.point_seconds = args.point_seconds or seconds
+    try:
+        args.pp_sizes = [int(x) for x in args.pp_sizes.split(",")]
+        args.rates = [float(x) for x in args.rates.split(",")] if args.rates else None
+        args.prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
+        args.output_tokens = tuple(int(x) for x in args.output_tokens.split(","))
+    except ValueError:
+        parser.error("--pp-sizes, --rates and the token ranges take comma-separated numbers")
+    if len(args.prompt_tokens) != 2 or len(args.output_tokens) != 2:
+        parser.error("--prompt-tokens and --output-tokens take MIN,MAX")
+    if any(s < 1 for s in args.pp_sizes) or (args.rates and any(r <= 0 for r in args.rates)):
+        parser.error("--pp-sizes must be >= 1 and --rates > 0")
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    return args
+
+
+# -- one ring ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir: Path):
+    """`ppring local` for one layout; yields the frontend's address. Stopped by PID."""
+    from launch.procs import ROOT, ProcessGroup, find_free_base_port, wait_for_ready_line
+
+    port = find_free_base_port(pp_size + 4)
+    threads = max(1, args.threads // pp_size)
+    cmd = [
+        sys.executable, "-m", "launch", "local", "--model", str(model_dir),
+        "--pp-size", str(pp_size), "--threads-per-stage", str(threads),
+        "--max-running-requests", str(args.concurrency), "--port", str(port),
+        "--dtype", args.dtype, "--device", args.device,
+        "--log-dir", str(log_dir / f"pp{pp_size}"),
+    ]  # fmt: skip
+    (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        yield wait_for_ready_line(server, READY_TIMEOUT_S)
+    finally:
+        ProcessGroup([server]).stop(grace_s=60)  # SIGTERM: a graceful ring shutdown
+
+
+# -- one point of the sweep ----------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    layout: str
+    rate: float | None  # requests/s; None: closed loop
+    concurrency: int | None
+    records: list[dict[str, float]]
+    elapsed_s: float
+
+    def summary(self) -> dict[str, Any]:
+        tokens = sum(r["output_tokens"] for r in self.records)
+        out: dict[str, Any] = {
+            "layout": self.layout,
+            "rate_rps": self.rate,
+            "closed_loop_concurrency": self.concurrency,
+            "num_requests": len(self.records),
+            "output_tokens": tokens,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "output_tokens_per_s": round(tokens / self.elapsed_s, 2),
+        }
+        for key in ("ttft_s", "tpot_s", "e2e_s"):
+            values = sorted(r[key] for r in self.records)
+            out[f"{key[:-2]}_p50_ms"] = round(1000 * _percentile(values, 50), 2)
+            out[f"{key[:-2]}_p99_ms"] = round(1000 * _percentile(values, 99), 2)
+        return out
+
+
+def _percentile(sorted_values: list[float], pct: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(pct / 100 * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+async def _one_request(client, request, records: list, progress) -> None:
+    sent = time.perf_counter()
+    first = None
+    done = None
+    async for msg in client.generate(
+        input_ids=request.input_ids,
+        max_new_tokens=request.max_new_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+    ):
+        if getattr(msg, "token_ids", None):
+            if first is None:
+                first = time.perf_counter()
+            progress.update(len(msg.token_ids))
+        if msg.kind == "done":
+            done = msg
+    finished = time.perf_counter()
+    first = first or finished
+    n = done.completion_tokens
+    records.append(
+        {
+            "prompt_tokens": len(request.input_ids),
+            "output_tokens": n,
+            "ttft_s": first - sent,
+            "tpot_s": (finished - first) / max(n - 1, 1),
+            "e2e_s": finished - sent,
+        }
+    )
+
+
+async def run_point(
+    addr: str,
+    workload: Workload,
+    layout: str,
+    rate: float | None,
+    concurrency: int,
+    seed: int,
+    progress,
+) -> Point:
+    """Closed loop (`rate` None): `concurrency` requests in flight until all are done.
+    Otherwise Poisson arrivals at `rate` requests/s, seeded."""
+    from launch.client import AsyncClient
+
+    records: list[dict[str, float]] = []
+    async with AsyncClient(addr, timeout_s=600) as client:
+        start = time.perf_counter()
+        if rate is None:
+            queue = list(workload.requests)
+
+            async def worker() -> None:
+                while queue:
+                    await _one_request(client, queue.pop(0), records, progress)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            for request in workload.requests:
+                tasks.append(asyncio.create_task(_one_request(client, request, records, progress)))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - start
+    return Point(layout, rate, concurrency if rate is None else None, records, elapsed)
+
+
+# -- the whole bench -----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    model_dir = _resolve_model(args.model)
+    from stages.config import ModelConfig
+
+    config = ModelConfig.from_folder(model_dir)
+    try:
+        workload = make_workload(
+            args.num_requests,
+            args.seed,
+            vocab_size=config.vocab_size,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"ppring bench serve: {exc}") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print(f"ppring bench serve: {model_dir.name}, {args.dtype} on {args.device}, "
+          f"{args.threads} threads; {len(workload.requests)} requests "
+          f"({workload.describe()['prompt_tokens_min']}-"
+          f"{workload.describe()['prompt_tokens_max']} prompt tokens, "
+          f"{workload.describe()['output_tokens_min']}-"
+          f"{workload.describe()['output_tokens_max']} output tokens)", flush=True)  # fmt: skip
+
+    points: list[Point] = []
+    rates = args.rates
+    with tempfile.TemporaryDirectory(prefix="ppring-bench-") as tmp:
+        for pp_size in args.pp_sizes:
+            layout = f"PP={pp_size}"
+            with local_ring(args, model_dir, pp_size, Path(tmp)) as addr:
+                plan = [None] + (rates or [])  # closed loop first: it sets the auto rates
+                i = 0
+                while i < len(plan):
+                    rate = plan[i]
+                    sub = _subset(workload, rate, args.point_seconds, args.min_point_requests)
+                    what = "closed loop" if rate is None else f"{rate:.2f} req/s"
+                    with tqdm(
+                        total=sub.num_output_tokens, desc=f"{layout} {what}", unit="tok",
+                        leave=False, file=sys.stderr,
+                    ) as bar:  # fmt: skip
+                        point = asyncio.run(
+                            run_point(addr, sub, layout, rate, args.concurrency, args.seed, bar)
+                        )
+                    points.append(point)
+                    if rate is None and rates is None:  # first layout: derive the sweep
+                        capacity_rps = len(sub.requests) / point.elapsed_s
+                        fractions = QUICK_RATE_FRACTIONS if args.quick else FULL_RATE_FRACTIONS
+                        rates = [round(f * capacity_rps, 3) for f in fractions]
+                        plan = [None] + rates
+                    i += 1
+                    s = point.summary()
+                    print(f"  {layout:>5} {what:>13}: {s['output_tokens_per_s']:7.1f} tok/s, "
+                          f"TPOT p50 {s['tpot_p50_ms']:6.1f} ms", flush=True)  # fmt: skip
+
+    baseline = None
+    if not args.no_baseline:
+        from bench.hf_baseline import run_hf_generate
+
+        with tqdm(
+            total=workload.num_output_tokens, desc="HF generate", unit="tok", leave=False,
+            file=sys.stderr,
+        ) as bar:  # fmt: skip
+            hf = run_hf_generate(
+                model_dir, workload, args.concurrency, args.threads, on_tokens=bar.update
+            )
+        baseline = Point("HF generate", None, args.concurrency, hf["records"], hf["elapsed_s"])
+        print(f"  HF generate (static batches of {args.concurrency}): "
+              f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+
+    result = {
+        "bench": "serve",
+        "command": "ppring bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "model": str(model_dir),
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "concurrency": args.concurrency,
+        "workload": workload.describe(),
+        "points": [p.summary() for p in points],
+        "baseline": baseline.summary() if baseline else None,
+        "requests": {
+            f"{p.layout} {'closed' if p.rate is None else p.rate}": p.records
+            for p in [*points, *([baseline] if baseline else [])]
+        },
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    result["headline"] = headline(result)
+    json_path = args.out / "bench_serve.json"
+    json_path.write_text(json.dumps(result, indent=1))
+    png_path = args.out / "bench_serve.png"
+    plot(result, png_path)
+    print()
+    print(table(result))
+    print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+def _subset(
+    workload: Workload, rate: float | None, point_seconds: float, min_requests: int
+) -> Workload:
+    """At a low rate, the first requests only: a point's arrivals last `point_seconds` at most
+    (but it keeps `min_requests`, so its percentiles mean something)."""
+    if rate is None:
+        return workload
+    n = min(len(workload.requests), max(min_requests, round(rate * point_seconds)))
+    return Workload(workload.seed, workload.requests[:n])
+
+
+def _resolve_model(model: str | None) -> Path:
+    from launch.prepare_model import resolve_model
+
+    return Path(resolve_model(model))
+
+
+def headline(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the README quotes: saturation tokens/s per layout and for HF generate, the
+    ratios, and TPOT p50 at the lightest load."""
+    closed = {p["layout"]: p for p in result["points"] if p["rate_rps"] is None}
+    out: dict[str, Any] = {
+        "saturation_tokens_per_s": {k: p["output_tokens_per_s"] for k, p in closed.items()}
+    }
+    rated = [p for p in result["points"] if p["rate_rps"] is not None]
+    if rated:
+        light = min(p["rate_rps"] for p in rated)
+        out["light_load_rate_rps"] = light
+        out["light_load_tpot_p50_ms"] = {
+            p["layout"]: p["tpot_p50_ms"] for p in rated if p["rate_rps"] == light
+        }
+    base = result["baseline"]
+    if base:
+        out["saturation_tokens_per_s"]["HF generate"] = base["output_tokens_per_s"]
+        out["hf_generate_tpot_p50_ms"] = base["tpot_p50_ms"]
+        out["vs_hf_generate"] = {
+            k: round(p["output_tokens_per_s"] / base["output_tokens_per_s"], 2)
+            for k, p in closed.items()
+        }
+    if "PP=1" in closed and "PP=2" in closed:
+        out["pp2_over_pp1"] = round(
+            closed["PP=2"]["output_tokens_per_s"] / closed["PP=1"]["output_tokens_per_s"], 2
+        )
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    rows = [*result["points"], *([result["baseline"]] if result["baseline"] else [])]
+    lines = [
+        f"{'layout':<12}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>10}{'TPOT p50':>10}"
+        f"{'TPOT p99':>10}{'e2e p50':>10}",
+    ]
+    for p in rows:
+        load = (
+            f"{p['rate_rps']:.2f} req/s"
+            if p["rate_rps"] is not None
+            else f"closed C={p['closed_loop_concurrency']}"
+        )
+        lines.append(
+            f"{p['layout']:<12}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
+            f"{p['ttft_p50_ms']:>8.0f}ms{p['tpot_p50_ms']:>8.1f}ms{p['tpot_p99_ms']:>8.1f}ms"
+            f"{p['e2e_p50_ms'] / 1000:>9.1f}s"
+        )
+    head = result["headline"]
+    if "vs_hf_generate" in head:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in head["vs_hf_generate"].items())
+        lines.append(f"\nsaturation vs HF generate (C={result['concurrency']}): {ratios}")
+    if "pp2_over_pp1" in head:
+        lines.append(f"PP=2 / PP=1 at saturation: {head['pp2_over_pp1']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tpot, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.5))
+    layouts = sorted({p["layout"] for p in result["points"]})
+    rated = [p["rate_rps"] for p in result["points"] if p["rate_rps"] is not None]
+    right = max(rated) * 1.25 if rated else 1.0  # the closed-loop point sits past the sweep
+    for i, layout in enumerate(layouts):
+        color = f"C{i}"
+        mine = sorted(
+            (p for p in result["points"] if p["layout"] == layout and p["rate_rps"] is not None),
+            key=lambda p: p["rate_rps"],
+        )
+        closed = [p for p in result["points"] if p["layout"] == layout and p["rate_rps"] is None]
+        xs = [p["rate_rps"] for p in mine]
+        ax_tpot.plot(xs, [p["tpot_p50_ms"] for p in mine], "o-", color=color, label=f"{layout} p50")
+        ax_tpot.plot(
+            xs, [p["tpot_p99_ms"] for p in mine], "o--", color=color, label=f"{layout} p99"
+        )
+        ax_tput.plot(xs, [p["output_tokens_per_s"] for p in mine], "o-", color=color, label=layout)
+        for p in closed:
+            ax_tpot.plot([right], [p["tpot_p50_ms"]], "s", color=color)
+            ax_tput.plot([right], [p["output_tokens_per_s"]], "s", color=color)
+    base = result["baseline"]
+    if base:
+        label = f"HF generate, static batches of {base['closed_loop_concurrency']}"
+        ax_tpot.axhline(base["tpot_p50_ms"], color="gray", linestyle=":", label=f"{label} (p50)")
+        ax_tput.axhline(base["output_tokens_per_s"], color="gray", linestyle=":", label=label)
+    for ax, ylabel in ((ax_tpot, "TPOT (ms)"), (ax_tput, "output tokens/s")):
+        ax.set_xlabel(f"request rate (req/s); squares: closed loop of {result['concurrency']}")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    model = Path(result["model"]).name
+    fig.suptitle(
+        f"ppring bench serve: {model}, {result['dtype']} on {result['device']}, "
+        f"{result['threads']} threads"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

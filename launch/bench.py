@@ -1,0 +1,23 @@
+"""`ppring bench serve|ring`: the measurements users pick a layout from (bench/serve.py,
+bench/ring.py). Both write a JSON file and a PNG into the current folder, or `--out DIR`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "serve": ("bench.serve", "local rings of the real model at a sweep of loads, vs HF generate"),
+    "ring": ("bench.ring", "simulated stages: pipeline efficiency, async depth, idle fraction"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in BENCHES:
+        print("usage: ppring bench {serve,ring} [--help]\n", file=sys.stderr)
+        for name, (_, text) in BENCHES.items():
+            print(f"  {name:<8}{text}", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    module = importlib.import_module(BENCHES[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)

@@ -1,0 +1,99 @@
+"""The benches' own logic: the seeded workload, the summaries, the JSON and the plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import ring as ring_bench
+from bench import serve as serve_bench
+from bench.workload import make_workload
+
+
+def test_the_workload_is_seeded_mixed_and_in_range():
+    a = make_workload(200, seed=3, vocab_size=1000, prompt_tokens=(8, 512), output_tokens=(4, 9))
+    b = make_workload(200, seed=3, vocab_size=1000, prompt_tokens=(8, 512), output_tokens=(4, 9))
+    assert a == b
+    assert a != make_workload(200, seed=4, vocab_size=1000, prompt_tokens=(8, 512))
+    lengths = [len(r.input_ids) for r in a.requests]
+    assert min(lengths) >= 8 and max(lengths) <= 512
+    # Log-uniform: the median sits near the geometric mean (64), far below the midpoint (260).
+    assert 30 < sorted(lengths)[100] < 140
+    assert all(4 <= r.max_new_tokens <= 9 for r in a.requests)
+    assert all(256 <= t < 1000 for r in a.requests for t in r.input_ids)
+    assert a.num_output_tokens == sum(r.max_new_tokens for r in a.requests)
+    with pytest.raises(ValueError, match="1 <= min <= max"):
+        make_workload(4, prompt_tokens=(10, 5))
+    with pytest.raises(ValueError, match="at least one request"):
+        make_workload(0)
+
+
+def fake_point(layout, rate, tokens_per_s, tpot_ms, concurrency=None):
+    return {
+        "layout": layout,
+        "rate_rps": rate,
+        "closed_loop_concurrency": concurrency,
+        "num_requests": 10,
+        "output_tokens": 500,
+        "elapsed_s": 500 / tokens_per_s,
+        "output_tokens_per_s": tokens_per_s,
+        "ttft_p50_ms": 100.0,
+        "ttft_p99_ms": 200.0,
+        "tpot_p50_ms": tpot_ms,
+        "tpot_p99_ms": tpot_ms * 2,
+        "e2e_p50_ms": 3000.0,
+        "e2e_p99_ms": 6000.0,
+    }
+
+
+def test_serve_headline_table_and_plot(tmp_path):
+    result = {
+        "model": "/m/SmolLM2",
+        "dtype": "float32",
+        "device": "cpu",
+        "threads": 2,
+        "concurrency": 32,
+        "points": [
+            fake_point("PP=1", None, 200.0, 90.0, 32),
+            fake_point("PP=1", 0.5, 40.0, 50.0),
+            fake_point("PP=1", 2.0, 150.0, 80.0),
+            fake_point("PP=2", None, 220.0, 100.0, 32),
+            fake_point("PP=2", 0.5, 40.0, 60.0),
+            fake_point("PP=2", 2.0, 160.0, 85.0),
+        ],
+        "baseline": fake_point("HF generate", None, 100.0, 120.0, 32),
+    }
+    head = serve_bench.headline(result)
+    assert head["saturation_tokens_per_s"] == {"PP=1": 200.0, "PP=2": 220.0, "HF generate": 100.0}
+    assert head["vs_hf_generate"] == {"PP=1": 2.0, "PP=2": 2.2}
+    assert head["pp2_over_pp1"] == 1.1
+    assert head["light_load_tpot_p50_ms"] == {"PP=1": 50.0, "PP=2": 60.0}
+    result["headline"] = head
+    text = serve_bench.table(result)
+    assert "closed C=32" in text and "0.50 req/s" in text and "PP=2 1.10x" not in text
+    assert "PP=1 2.00x, PP=2 2.20x" in text
+    serve_bench.plot(result, tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_refuses_bad_arguments_with_one_line(capsys):
+    for bad in (["--pp-sizes", "1,x"], ["--rates", "0"], ["--prompt-tokens", "5"]):
+        with pytest.raises(SystemExit) as exc:
+            serve_bench.parse_args(bad)
+        assert exc.value.code == 2
+    assert "comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_ring_bench_writes_its_json_and_png(tmp_path):
+    code = ring_bench.main(["--quick", "--threads", "--steps", "40", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench_ring.json").read_text())
+    assert [(r["pp_size"], r["depth"]) for r in result["efficiency"]] == [
+        (s, d) for s in (1, 2, 4, 8) for d in (0, 1)
+    ]
+    assert all(0 < r["efficiency"] <= 1.2 for r in result["efficiency"])
+    assert [r["depth"] for r in result["async_depth"]] == [0, 1, 2, 3]
+    assert [r["seed_idle_fraction"] for r in result["idle"]] == [0.75, 0.5, 0.25, 0.0]
+    assert (tmp_path / "bench_ring.png").read_bytes()[:4] == b"\x89PNG"
