@@ -59,7 +59,7 @@ def measure(
         (f"b{i}", [1], SamplingParams(max_new_tokens=rounds, seed=i))
         for i in range(PER_SLOT * num_batches)
     ]
-    busy = float("nan")
+    busy = None  # processes do not report it back
     if processes:
         from launch.procs import ProcessRing
 
@@ -101,7 +101,7 @@ def measure(
         "tokens_per_s": round(steady_rate, 1),
         "efficiency": round(steady_rate / PER_SLOT * t0_s, 4),
         "end_to_end_efficiency": round(tokens / timing["elapsed_s"] / PER_SLOT * t0_s, 4),
-        "idle_fraction": round(1 - busy / timing["elapsed_s"], 4),
+        "idle_fraction": None if busy is None else round(1 - busy / timing["elapsed_s"], 4),
     }
 
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }
     json_path, png_path = args.out / "bench_ring.json", args.out / "bench_ring.png"
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps(result, indent=1, allow_nan=False))
     plot(result, png_path)
     print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
     return 0

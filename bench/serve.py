@@ -70,10 +70,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("."), help="where JSON and PNG go")
     args = parser.parse_args(argv)
     num, prompt, output, seconds, args.min_point_requests = QUICK if args.quick else FULL
-    args.num_requests = args.num_requests or num
+    args.num_requests = num if args.num_requests is None else args.num_requests
     args.prompt_tokens = args.prompt_tokens or prompt
     args.output_tokens = args.output_tokens or output
-    args.point_seconds = args.point_seconds or seconds
+    args.point_seconds = seconds if args.point_seconds is None else args.point_seconds
     try:
         args.pp_sizes = [int(x) for x in args.pp_sizes.split(",")]
         args.rates = [float(x) for x in args.rates.split(",")] if args.rates else None
@@ -85,8 +85,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--prompt-tokens and --output-tokens take MIN,MAX")
     if any(s < 1 for s in args.pp_sizes) or (args.rates and any(r <= 0 for r in args.rates)):
         parser.error("--pp-sizes must be >= 1 and --rates > 0")
-    if args.concurrency < 1:
-        parser.error("--concurrency must be at least 1")
+    if min(args.concurrency, args.num_requests, args.threads) < 1 or args.point_seconds <= 0:
+        parser.error("--concurrency, --num-requests, --threads and --point-seconds must be > 0")
+    if len(set(args.pp_sizes)) != len(args.pp_sizes) or (
+        args.rates and len(set(args.rates)) != len(args.rates)
+    ):
+        parser.error("name each layout in --pp-sizes and each rate in --rates once")
     return args
 
 
@@ -139,15 +143,16 @@ class Point:
             "output_tokens_per_s": round(tokens / self.elapsed_s, 2),
         }
         for key in ("ttft_s", "tpot_s", "e2e_s"):
-            values = sorted(r[key] for r in self.records)
-            out[f"{key[:-2]}_p50_ms"] = round(1000 * _percentile(values, 50), 2)
-            out[f"{key[:-2]}_p99_ms"] = round(1000 * _percentile(values, 99), 2)
+            values = sorted(r[key] for r in self.records if r[key] is not None)
+            for pct in (50, 99):
+                value = _percentile(values, pct)
+                out[f"{key[:-2]}_p{pct}_ms"] = None if value is None else round(1000 * value, 2)
         return out
 
 
-def _percentile(sorted_values: list[float], pct: float) -> float:
+def _percentile(sorted_values: list[float], pct: float) -> float | None:
     if not sorted_values:
-        return float("nan")
+        return None
     index = min(len(sorted_values) - 1, max(0, round(pct / 100 * (len(sorted_values) - 1))))
     return sorted_values[index]
 
@@ -176,7 +181,8 @@ async def _one_request(client, request, records: list, progress) -> None:
             "prompt_tokens": len(request.input_ids),
             "output_tokens": n,
             "ttft_s": first - sent,
-            "tpot_s": (finished - first) / max(n - 1, 1),
+            # One token has no time per output token: None, left out of the TPOT percentiles.
+            "tpot_s": (finished - first) / (n - 1) if n > 1 else None,
             "e2e_s": finished - sent,
         }
     )
@@ -275,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                     i += 1
                     s = point.summary()
                     print(f"  {layout:>5} {what:>13}: {s['output_tokens_per_s']:7.1f} tok/s, "
-                          f"TPOT p50 {s['tpot_p50_ms']:6.1f} ms", flush=True)  # fmt: skip
+                          f"TPOT p50 {_ms(s['tpot_p50_ms'])}", flush=True)  # fmt: skip
 
-    baseline = None
+    # Written now and again after the baseline: a failing baseline loses no ring figures.
+    write_results(args, argv, model_dir, workload, points, None, started, quiet=True)
     if not args.no_baseline:
         from bench.hf_baseline import run_hf_generate
 
@@ -286,12 +293,31 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         ) as bar:  # fmt: skip
             hf = run_hf_generate(
-                model_dir, workload, args.concurrency, args.threads, on_tokens=bar.update
-            )
+                model_dir, workload, args.concurrency, args.threads, args.dtype, args.device,
+                on_tokens=bar.update,
+            )  # fmt: skip
         baseline = Point("HF generate", None, args.concurrency, hf["records"], hf["elapsed_s"])
         print(f"  HF generate (static batches of {args.concurrency}): "
               f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+        write_results(args, argv, model_dir, workload, points, baseline, started)
+    return 0
 
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def write_results(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    model_dir: Path,
+    workload: Workload,
+    points: list[Point],
+    baseline: Point | None,
+    started: float,
+    quiet: bool = False,
+) -> None:
+    """bench_serve.json and bench_serve.png into --out; the table on stdout unless quiet."""
     result = {
         "bench": "serve",
         "command": "ppring bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -316,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["headline"] = headline(result)
     json_path = args.out / "bench_serve.json"
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps(result, indent=1, allow_nan=False))
     png_path = args.out / "bench_serve.png"
     plot(result, png_path)
-    print()
-    print(table(result))
-    print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
-    return 0
+    if not quiet:
+        print()
+        print(table(result))
+        print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
 
 
 def _subset(
@@ -385,7 +411,7 @@ def table(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"{p['layout']:<12}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
-            f"{p['ttft_p50_ms']:>8.0f}ms{p['tpot_p50_ms']:>8.1f}ms{p['tpot_p99_ms']:>8.1f}ms"
+            f"{_ms(p['ttft_p50_ms']):>10}{_ms(p['tpot_p50_ms']):>10}{_ms(p['tpot_p99_ms']):>10}"
             f"{p['e2e_p50_ms'] / 1000:>9.1f}s"
         )
     head = result["headline"]

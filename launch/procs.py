@@ -60,7 +60,11 @@ def wait_for_ready_line(server: subprocess.Popen, timeout_s: float, echo: bool =
         readable, _, _ = select.select([server.stdout], [], [], 0.5)
         if not readable:
             continue
-        buffer += os.read(server.stdout.fileno(), 65536)
+        data = os.read(server.stdout.fileno(), 65536)
+        if not data:  # it closed its output without a ready line
+            server.wait(timeout_s)
+            raise SystemExit(f"ppring local exited with code {server.returncode}")
+        buffer += data
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
             text = line.decode(errors="replace")

@@ -73,16 +73,19 @@ class DemuxReceiver:
         except ChannelTimeout:
             return None
 
-    def prefetch(self, until: float) -> None:
+    def prefetch(self, until: float, want: str | None = None) -> bool:
         """Read and stash what arrives until `until` (time.monotonic()), so that later `recv`s
-        find it decoded. The ring loop calls this while its forward runs: the next step's
-        messages are then decoded off the critical path. ZeroMQ polls in whole milliseconds,
-        so it stops at the last whole millisecond before `until` rather than spin."""
-        while (remaining_ms := int((until - time.monotonic()) * 1000)) >= 1:
-            if not self.channel.poll(remaining_ms / 1000):
-                return
+        find it decoded; with `want`, stop as soon as a message of that kind is stashed and
+        return True (False: none by `until`). The ring loop calls this while its forward runs.
+        ZeroMQ polls in whole milliseconds, so it stops at the last whole millisecond before
+        `until` rather than spin."""
+        while not (want is not None and self.stash[want]):
+            remaining_ms = int((until - time.monotonic()) * 1000)
+            if remaining_ms < 1 or not self.channel.poll(remaining_ms / 1000):
+                return False
             for msg in self._recv_bundle(0.0):
                 self.stash[msg.kind].append(msg)
+        return True
 
     def pending(self, kind: str) -> int:
         return len(self.stash[kind])

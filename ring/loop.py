@@ -207,15 +207,18 @@ class StageLoop:
             started = time.monotonic()
             pending = self.stage.launch(batch.chunks, **seam, **self._sampling_args(batch))
         if pending is not None and pending.overlaps and self.cfg.pp_loop_size > 1:
-            self._overlap(step, batch, pending)
+            prepared_early = self._overlap(step, batch, pending)
             result = pending.wait()
-            self.stats.busy_s += time.monotonic() - started
+            self.stats.busy_s += pending.ended_at - started
             if self.cfg.is_last_stage:
                 self._send_result(batch, result)
+            if not prepared_early:  # the due output is late: the proxy goes first, as below
+                self._flush()
+                self._apply_due_output(step)
         else:
             if pending is not None:
                 result = pending.wait()
-                self.stats.busy_s += time.monotonic() - started
+                self.stats.busy_s += pending.ended_at - started
             else:  # an empty slot: nothing to compute, but the step's messages still go out
                 result = SampleResult(token_ids=[]) if self.cfg.is_last_stage else empty_seam()
             self._send_result(batch, result)
@@ -226,19 +229,28 @@ class StageLoop:
         self.stats.steps += 1
         return True
 
-    def _overlap(self, step: int, batch: Batch, pending: Any) -> None:
+    def _overlap(self, step: int, batch: Batch, pending: Any) -> bool:
         """While the forward runs, everything the next step needs, in the same order as without
         overlap: this step's due output, then the next step's reqs and decision. The next slot
         differs from this one (pp_loop_size > 1), so nothing decided here touches a block the
-        running batch reads. The proxy's header is encoded meanwhile too (its tensors exist,
-        the device is filling them; ZeroMQ reads them at the flush, after the wait)."""
+        running batch reads. The proxy is encoded first (its tensors exist, the device is
+        filling them; ZeroMQ reads them at the flush, after the wait).
+
+        Returns False if the due output has not arrived when the forward is done: the loop then
+        sends the proxy before waiting for it, so a late output never holds the next stage up
+        (and a lost message is still caught at the next stage as a step gap)."""
+        if not self.cfg.is_last_stage:
+            self._send_result(batch, pending.early_output)
+        due = step + 1 - self.cfg.pp_loop_size
+        if due >= 0 and not self.cfg.is_last_stage:  # the last stage keeps its own outputs
+            if not self.receiver.prefetch(pending.ready_at, want="output"):
+                return False
         self._apply_due_output(step)
         self.prepared = self._prepare(step + 1, may_block=False)
         self._send_deltas(step)
-        if not self.cfg.is_last_stage:
-            self._send_result(batch, pending.early_output)
         if self.receiver is not None:  # decode what arrives before the forward ends
             self.receiver.prefetch(pending.ready_at)
+        return True
 
     def _flush(self) -> None:
         """What this step queued for the next stage (reqs, output, proxy) leaves as one message.

@@ -78,7 +78,7 @@ class SimStage(Stage):
         self.busy_s = 0.0  # time spent in forwards: the idle fraction is 1 - busy / wall
         self._overshoot_s = 0.0
 
-    def _wait_until(self, end: float) -> float:
+    def _wait_until(self, end: float, duration: float) -> float:
         """Block until the simulated forward that ends at `end` is over; returns when it was.
 
         Like a device, the forward ends at `end` whatever the loop does meanwhile; a loop that
@@ -92,7 +92,7 @@ class SimStage(Stage):
             return now
         time.sleep(target - now)
         woke = time.monotonic()
-        self._overshoot_s = min(max(woke - target, 0.0), self.t0_s)
+        self._overshoot_s = min(max(woke - target, 0.0), duration)
         return woke
 
     @property
@@ -176,9 +176,11 @@ class SimForward:
 
     def wait(self) -> StageOutput | DeferredSample:
         stage = self.stage
+        self.ended_at = self.ends_at
         if self.ends_at > self.started:
-            ended = stage._wait_until(self.ends_at)
-            stage.busy_s += min(ended, self.ends_at) - self.started
+            ended = stage._wait_until(self.ends_at, self.ends_at - self.started)
+            self.ended_at = min(ended, self.ends_at)  # a late loop does not make it busier
+            stage.busy_s += self.ended_at - self.started
         if stage.sample_delay_s > 0 and stage.is_last_stage and self.ends_at > self.started:
             return DeferredSample(self.ends_at + stage.sample_delay_s, self.output)
         return self.output

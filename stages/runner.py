@@ -16,6 +16,7 @@ interface without a model.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,11 +41,12 @@ StageOutput = dict[str, torch.Tensor] | SampleResult
 class FinishedStep:
     """A step that already ran: `launch`'s handle for a stage that computes on this CPU.
 
-    Any handle has `wait()`, and three attributes for the loop: `overlaps` (the step is still
+    Any handle has `wait()`, and attributes for the loop: `overlaps` (the step is still
     running, so the loop prepares the next one meanwhile), `ready_at` (the time.monotonic() at
     which `wait()` should return at once; the loop reads its link until then instead of
-    sleeping) and `early_output` (a non-last stage's seam tensors, which exist before the
-    device has filled them, so the proxy's header can be encoded early)."""
+    sleeping), `early_output` (a non-last stage's seam tensors, which exist before the device
+    has filled them, so the proxy's header can be encoded early) and, after `wait()`,
+    `ended_at` (when the step's computation ended: the stage's busy time)."""
 
     overlaps = False
     ready_at = 0.0
@@ -52,6 +54,7 @@ class FinishedStep:
     def __init__(self, output: StageOutput) -> None:
         self.output = output
         self.early_output = output
+        self.ended_at = time.monotonic()
 
     def wait(self) -> StageOutput:
         return self.output

@@ -78,11 +78,33 @@ def test_serve_headline_table_and_plot(tmp_path):
 
 
 def test_serve_refuses_bad_arguments_with_one_line(capsys):
-    for bad in (["--pp-sizes", "1,x"], ["--rates", "0"], ["--prompt-tokens", "5"]):
+    bad_args = (
+        ["--pp-sizes", "1,x"],
+        ["--rates", "0"],
+        ["--prompt-tokens", "5"],
+        ["--threads", "0"],
+        ["--num-requests", "0"],
+        ["--point-seconds", "0"],
+        ["--pp-sizes", "1,1"],
+    )
+    for bad in bad_args:
         with pytest.raises(SystemExit) as exc:
             serve_bench.parse_args(bad)
         assert exc.value.code == 2
-    assert "comma-separated" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "comma-separated" in err and "must be > 0" in err and "once" in err
+
+
+def test_a_one_token_request_has_no_tpot():
+    records = [
+        {"prompt_tokens": 5, "output_tokens": 1, "ttft_s": 0.1, "tpot_s": None, "e2e_s": 0.1},
+        {"prompt_tokens": 5, "output_tokens": 3, "ttft_s": 0.2, "tpot_s": 0.05, "e2e_s": 0.3},
+    ]
+    summary = serve_bench.Point("PP=1", 1.0, None, records, 1.0).summary()
+    assert summary["tpot_p50_ms"] == 50.0 and summary["tpot_p99_ms"] == 50.0
+    assert summary["output_tokens_per_s"] == 4.0
+    only_one = serve_bench.Point("PP=1", 1.0, None, records[:1], 1.0).summary()
+    assert only_one["tpot_p50_ms"] is None
 
 
 @pytest.mark.timeout(180)

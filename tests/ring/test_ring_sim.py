@@ -187,16 +187,19 @@ def test_admission_caps_hold_on_every_stage():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("fault", "error"), [("diverge", "diverged"), ("drop", "step gap")])
-def test_a_fault_stops_the_ring_with_a_clear_error(fault, error):
+@pytest.mark.parametrize(("pp_size", "rank", "t0_s"), [(4, 1, 0.0), (2, 0, 0.005)])
+def test_a_fault_stops_the_ring_with_a_clear_error(fault, error, pp_size, rank, t0_s):
+    """(2, 0, 5 ms): stage 0 overlaps a forward with waiting for the last stage's output; a
+    proxy it drops must still show as a step gap, not as a ring timeout."""
     rng = random.Random(2)
-    cfg = RingConfig(pp_size=4, debug_fault=(fault, 1, 6), ring_timeout_s=5)
+    cfg = RingConfig(pp_size=pp_size, debug_fault=(fault, rank, 6), ring_timeout_s=5)
     requests = random_requests(rng, 30, max_new=20)
-    with sim_ring(cfg) as ring:
+    with sim_ring(cfg, SimSpec(t0_s=t0_s)) as ring:
         ring.driver.submit_many(requests)
         with pytest.raises(RuntimeError, match="ring reported an error"):
             ring.driver.wait_finished([r[0] for r in requests], timeout_s=30)
         codes = ring.join(timeout_s=20)
         errors = [c for c in ring.driver.ctrl if c.op == "error"]
-    assert codes == {0: 1, 1: 1, 2: 1, 3: 1}  # every stage stopped, none hangs
+    assert codes == {r: 1 for r in range(pp_size)}  # every stage stopped, none hangs
     message = errors[0].info["message"]
     assert error in message and "step 6" in message and "[pp" in message
