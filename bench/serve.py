@@ -400,8 +400,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     rows = [*result["points"], *([result["baseline"]] if result["baseline"] else [])]
     lines = [
-        f"{'layout':<12}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>10}{'TPOT p50':>10}"
-        f"{'TPOT p99':>10}{'e2e p50':>10}",
+        f"{'layout':<12}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
+        f"{'TPOT p99':>11}{'e2e p50':>10}",
     ]
     for p in rows:
         load = (
@@ -411,7 +411,7 @@ def table(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"{p['layout']:<12}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
-            f"{_ms(p['ttft_p50_ms']):>10}{_ms(p['tpot_p50_ms']):>10}{_ms(p['tpot_p99_ms']):>10}"
+            f"{_ms(p['ttft_p50_ms']):>12}{_ms(p['tpot_p50_ms']):>11}{_ms(p['tpot_p99_ms']):>11}"
             f"{p['e2e_p50_ms'] / 1000:>9.1f}s"
         )
     head = result["headline"]
