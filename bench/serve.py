@@ -246,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"ppring bench serve: {exc}") from None
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    shape = workload.describe()
     print(f"ppring bench serve: {model_dir.name}, {args.dtype} on {args.device}, "
           f"{args.threads} threads; {len(workload.requests)} requests "
-          f"({workload.describe()['prompt_tokens_min']}-"
-          f"{workload.describe()['prompt_tokens_max']} prompt tokens, "
-          f"{workload.describe()['output_tokens_min']}-"
-          f"{workload.describe()['output_tokens_max']} output tokens)", flush=True)  # fmt: skip
+          f"({shape['prompt_tokens_min']}-{shape['prompt_tokens_max']} prompt tokens, "
+          f"{shape['output_tokens_min']}-{shape['output_tokens_max']} output tokens)",
+          flush=True)  # fmt: skip
 
     points: list[Point] = []
     rates = args.rates

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,18 @@ def stage_argv(
     return argv
 
 
-def summary(args: argparse.Namespace, model_dir: Path) -> tuple[list[str], int]:
-    """Start-up lines (model, layer split, slots) and the context length."""
+@dataclass(frozen=True)
+class Startup:
+    """What start-up reads from the model folder, once: the lines to print (model, layer
+    split, slots), the context length, the config and the layer split."""
+
+    lines: list[str]
+    context_length: int
+    config: Any  # stages.config.ModelConfig, imported lazily
+    partition: list[int]
+
+
+def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
     from ring.config import RingConfig
     from stages.config import ModelConfig
     from stages.partition import partition_from_env
@@ -98,7 +109,7 @@ def summary(args: argparse.Namespace, model_dir: Path) -> tuple[list[str], int]:
         f"{cfg.pp_async_batch_depth}); requests per micro-batch <= {cfg.micro_batch_cap}, "
         f"running <= {cfg.max_running_requests}; {args.threads_per_stage} threads per stage",
     ]
-    return lines, context
+    return Startup(lines, context, config, split)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model_dir = resolve_model(args.model)
-        lines, context_length = summary(args, model_dir)
+        startup = summary(args, model_dir)
     except (PrepareModelError, ValueError) as exc:  # stages' ConfigError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for line in lines:
+    for line in startup.lines:
         print(line, flush=True)
     addrs = RingAddresses(args.pp_size, hosts=(args.host,), base_port=args.port)
     group = ProcessGroup()
@@ -122,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.log_dir:
                 args.log_dir.mkdir(parents=True, exist_ok=True)
             group.start(stage_argv(args, rank, model_dir), log, inherit=log is None)
-        return run_frontend(args, addrs, model_dir, context_length, group)
+        return run_frontend(args, addrs, model_dir, startup.context_length, group)
     except OSError as exc:  # e.g. the port is taken
         print(f"error: {exc}; pick another --port", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from stages.config import ModelConfig
+from stages.config import ModelConfig, read_config_json
 from stages.errors import ConfigError
 from stages.partition import imbalance_loss, partition_layers
 
@@ -492,15 +492,7 @@ def load_model(spec: str, dtype: str | None = None) -> ModelShape:
             f"--model {spec} is not a preset and is {what}; pass one of {', '.join(PRESETS)}, "
             "a Hugging Face model folder, or its config.json"
         )
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"{config_path} is not readable JSON ({exc}); fix or re-export it"
-        ) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{config_path} holds no JSON object; pass a model's config.json")
-    cfg = ModelConfig.from_dict(raw, source=str(config_path))
+    cfg = ModelConfig.from_dict(read_config_json(config_path), source=str(config_path))
     name = (path if path.is_dir() else config_path.parent).resolve().name or str(config_path)
     model_dtype = dtype or cfg.torch_dtype
     if model_dtype not in DTYPE_BYTES:

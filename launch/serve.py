@@ -76,21 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     from launch.prepare_model import PrepareModelError, resolve_model
-    from stages.config import ModelConfig
-    from stages.partition import partition_from_env
 
     try:
         model_dir = resolve_model(args.model)
-        lines, context_length = summary(args, model_dir)
-        config = ModelConfig.from_folder(model_dir)
-        partition = partition_from_env(config.num_layers, args.nnodes)
+        startup = summary(args, model_dir)
     except (PrepareModelError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.node_rank == 0:
-        for line in lines:
+        for line in startup.lines:
             print(line, flush=True)
-    info = hello_info(args, config.config_hash, partition)
+    info = hello_info(args, startup.config.config_hash, startup.partition)
     rendezvous_addr = f"tcp://{args.dist_init_addr}"
     try:
         hosts = _rendezvous(args, rendezvous_addr, info)
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         group.start(stage_argv(args, args.node_rank, model_dir, hosts), log, inherit=log is None)
         if args.node_rank == 0:
             addrs = RingAddresses(args.nnodes, hosts=tuple(hosts), base_port=args.port)
-            return run_frontend(args, addrs, model_dir, context_length, group)
+            return run_frontend(args, addrs, model_dir, startup.context_length, group)
         return _supervise(group)
     finally:
         group.stop()

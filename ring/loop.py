@@ -210,7 +210,7 @@ class StageLoop:
             prepared_early = self._overlap(step, batch, pending)
             result = pending.wait()
             self.stats.busy_s += pending.ended_at - started
-            if self.cfg.is_last_stage:
+            if pending.early_output is None:  # sampled tokens: they exist only now
                 self._send_result(batch, result)
             if not prepared_early:  # the due output is late: the proxy goes first, as below
                 self._flush()
@@ -239,7 +239,7 @@ class StageLoop:
         Returns False if the due output has not arrived when the forward is done: the loop then
         sends the proxy before waiting for it, so a late output never holds the next stage up
         (and a lost message is still caught at the next stage as a step gap)."""
-        if not self.cfg.is_last_stage:
+        if pending.early_output is not None:
             self._send_result(batch, pending.early_output)
         due = step + 1 - self.cfg.pp_loop_size
         if due >= 0 and not self.cfg.is_last_stage:  # the last stage keeps its own outputs

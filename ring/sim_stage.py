@@ -167,8 +167,8 @@ class SimForward:
     overlaps = True
 
     @property
-    def early_output(self) -> StageOutput:
-        return self.output
+    def early_output(self) -> StageOutput | None:
+        return None if self.stage.is_last_stage else self.output
 
     @property
     def ready_at(self) -> float:

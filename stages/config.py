@@ -60,12 +60,7 @@ class ModelConfig:
                 f"{folder} has no config.json; pass --model a local Hugging Face model folder "
                 "(config.json plus *.safetensors)"
             )
-        try:
-            raw = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"{config_path} is not readable JSON ({exc}); re-export the model folder"
-            ) from None
+        raw = read_config_json(config_path)
         generation = _read_optional_json(folder / "generation_config.json")
         return cls.from_dict(raw, generation, source=str(folder))
 
@@ -134,6 +129,19 @@ class ModelConfig:
     def kv_bytes_per_token_per_layer(self, dtype: object) -> int:
         """K and V of one token in one layer: 2 * h_kv * d_head * bytes per element."""
         return 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+
+def read_config_json(config_path: Path) -> dict[str, Any]:
+    """A model's config.json as a dict, or one ConfigError saying what is wrong with it."""
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{config_path} is not readable JSON ({exc}); fix or re-export it"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_path} holds no JSON object; pass a model's config.json")
+    return raw
 
 
 def dtype_bytes(dtype: object) -> int:

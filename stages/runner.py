@@ -45,7 +45,8 @@ class FinishedStep:
     running, so the loop prepares the next one meanwhile), `ready_at` (the time.monotonic() at
     which `wait()` should return at once; the loop reads its link until then instead of
     sleeping), `early_output` (a non-last stage's seam tensors, which exist before the device
-    has filled them, so the proxy's header can be encoded early) and, after `wait()`,
+    has filled them, so the proxy's header can be encoded early; None for sampled tokens) and,
+    after `wait()`,
     `ended_at` (when the step's computation ended: the stage's busy time)."""
 
     overlaps = False
@@ -53,7 +54,7 @@ class FinishedStep:
 
     def __init__(self, output: StageOutput) -> None:
         self.output = output
-        self.early_output = output
+        self.early_output = output if isinstance(output, dict) else None  # seam tensors only
         self.ended_at = time.monotonic()
 
     def wait(self) -> StageOutput:
