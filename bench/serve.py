@@ -6,14 +6,16 @@ For each layout it starts a local ring itself (`ppring local`, stages sharing th
 cores: PP=1 gets every thread, PP=2 half each), then sends the same seeded workload
 (bench/workload.py) as
 - a closed loop of `--concurrency` requests in flight (saturation: as soon as one finishes the
-  next is sent), and
+  next is sent); a list such as `--concurrency 1,16,64` runs one closed loop per level, each
+  on the workload's first max(2C, a few) requests, and
 - Poisson arrivals at a sweep of rates from light load to past saturation (the rates are
-  fractions of the first layout's closed-loop capacity, so every layout sees the same rates).
+  fractions of the first layout's closed-loop capacity at the highest concurrency, so every
+  layout sees the same rates); `--no-sweep` skips them.
 It records per request TTFT, TPOT and end-to-end latency as the client sees them, and per run
 the output tokens/s. Then the same prompts go through Hugging Face `generate` on static batches
-of the same concurrency (bench/hf_baseline.py). It writes `bench_serve.json` and
-`bench_serve.png` (TPOT p50/p99 vs rate, output tokens/s vs rate) into `--out`, and prints a
-table.
+of each concurrency (bench/hf_baseline.py). It writes `bench_serve.json` and `bench_serve.png`
+(TPOT p50/p99 and output tokens/s, vs rate and, for several concurrencies, vs concurrency)
+into `--out`, and prints a table.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2)")
     parser.add_argument("--pp-sizes", default="1,2", help="layouts to compare, e.g. 1,2,4")
-    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop requests")
+    parser.add_argument(
+        "--concurrency", default="32", help="closed-loop requests in flight; a list: 1,16,64"
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default 64 (quick 32)")
     parser.add_argument(
         "--rates", default=None, help="requests/s to sweep, e.g. 0.5,1,2 (default: fractions "
@@ -65,7 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores to use")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kv-memory-gib", type=float, default=None, help="KV budget per stage (ppring local's)"
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the rings' logs here")
     parser.add_argument("--no-baseline", action="store_true", help="skip HF generate")
+    parser.add_argument("--no-sweep", action="store_true", help="closed loops only, no rates")
     parser.add_argument("--quick", action="store_true", help="a small sweep: under 5 minutes")
     parser.add_argument("--out", type=Path, default=Path("."), help="where JSON and PNG go")
     args = parser.parse_args(argv)
@@ -76,21 +85,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.point_seconds = seconds if args.point_seconds is None else args.point_seconds
     try:
         args.pp_sizes = [int(x) for x in args.pp_sizes.split(",")]
+        args.concurrencies = sorted(int(x) for x in args.concurrency.split(","))
         args.rates = [float(x) for x in args.rates.split(",")] if args.rates else None
         args.prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
         args.output_tokens = tuple(int(x) for x in args.output_tokens.split(","))
     except ValueError:
-        parser.error("--pp-sizes, --rates and the token ranges take comma-separated numbers")
+        parser.error(
+            "--pp-sizes, --concurrency, --rates and the token ranges take comma-separated numbers"
+        )
     if len(args.prompt_tokens) != 2 or len(args.output_tokens) != 2:
         parser.error("--prompt-tokens and --output-tokens take MIN,MAX")
     if any(s < 1 for s in args.pp_sizes) or (args.rates and any(r <= 0 for r in args.rates)):
         parser.error("--pp-sizes must be >= 1 and --rates > 0")
-    if min(args.concurrency, args.num_requests, args.threads) < 1 or args.point_seconds <= 0:
+    if min(*args.concurrencies, args.num_requests, args.threads) < 1 or args.point_seconds <= 0:
         parser.error("--concurrency, --num-requests, --threads and --point-seconds must be > 0")
-    if len(set(args.pp_sizes)) != len(args.pp_sizes) or (
-        args.rates and len(set(args.rates)) != len(args.rates)
+    if args.kv_memory_gib is not None and args.kv_memory_gib <= 0:
+        parser.error("--kv-memory-gib must be > 0")
+    if (
+        len(set(args.pp_sizes)) != len(args.pp_sizes)
+        or (args.rates and len(set(args.rates)) != len(args.rates))
+        or len(set(args.concurrencies)) != len(args.concurrencies)
     ):
-        parser.error("name each layout in --pp-sizes and each rate in --rates once")
+        parser.error("name each layout in --pp-sizes, each --concurrency and each rate once")
+    if args.no_sweep and args.rates:
+        parser.error("--no-sweep and --rates contradict each other; pick one")
+    args.concurrency = args.concurrencies[-1]  # the ring's capacity; saturation is measured here
     return args
 
 
@@ -111,8 +130,11 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
         "--dtype", args.dtype, "--device", args.device,
         "--log-dir", str(log_dir / f"pp{pp_size}"),
     ]  # fmt: skip
+    if args.kv_memory_gib is not None:
+        cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
     (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
         yield wait_for_ready_line(server, READY_TIMEOUT_S)
@@ -227,8 +249,6 @@ async def run_point(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     model_dir = _resolve_model(args.model)
     from stages.config import ModelConfig
@@ -254,53 +274,73 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)  # fmt: skip
 
     points: list[Point] = []
+    baselines: list[Point] = []
     rates = args.rates
-    with tempfile.TemporaryDirectory(prefix="ppring-bench-") as tmp:
+    with _log_dir(args.log_dir) as logs:
         for pp_size in args.pp_sizes:
             layout = f"PP={pp_size}"
-            with local_ring(args, model_dir, pp_size, Path(tmp)) as addr:
-                plan = [None] + (rates or [])  # closed loop first: it sets the auto rates
-                i = 0
-                while i < len(plan):
-                    rate = plan[i]
+            with local_ring(args, model_dir, pp_size, logs) as addr:
+                for concurrency in args.concurrencies:  # closed loops first: they set the rates
+                    sub = _closed_subset(workload, concurrency, args.min_point_requests)
+                    points.append(_measure(addr, sub, layout, None, concurrency, args.seed))
+                if args.no_sweep:
+                    continue
+                if rates is None:  # the first layout's capacity at the highest concurrency
+                    capacity_rps = len(points[-1].records) / points[-1].elapsed_s
+                    fractions = QUICK_RATE_FRACTIONS if args.quick else FULL_RATE_FRACTIONS
+                    rates = [round(f * capacity_rps, 3) for f in fractions]
+                for rate in rates:
                     sub = _subset(workload, rate, args.point_seconds, args.min_point_requests)
-                    what = "closed loop" if rate is None else f"{rate:.2f} req/s"
-                    with tqdm(
-                        total=sub.num_output_tokens, desc=f"{layout} {what}", unit="tok",
-                        leave=False, file=sys.stderr,
-                    ) as bar:  # fmt: skip
-                        point = asyncio.run(
-                            run_point(addr, sub, layout, rate, args.concurrency, args.seed, bar)
-                        )
-                    points.append(point)
-                    if rate is None and rates is None:  # first layout: derive the sweep
-                        capacity_rps = len(sub.requests) / point.elapsed_s
-                        fractions = QUICK_RATE_FRACTIONS if args.quick else FULL_RATE_FRACTIONS
-                        rates = [round(f * capacity_rps, 3) for f in fractions]
-                        plan = [None] + rates
-                    i += 1
-                    s = point.summary()
-                    print(f"  {layout:>5} {what:>13}: {s['output_tokens_per_s']:7.1f} tok/s, "
-                          f"TPOT p50 {_ms(s['tpot_p50_ms'])}", flush=True)  # fmt: skip
-
-    # Written now and again after the baseline: a failing baseline loses no ring figures.
-    write_results(args, argv, model_dir, workload, points, None, started, quiet=True)
+                    points.append(_measure(addr, sub, layout, rate, args.concurrency, args.seed))
+            # Written after every layout and baseline: a later failure loses nothing measured.
+            write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
     if not args.no_baseline:
-        from bench.hf_baseline import run_hf_generate
+        from bench.hf_baseline import HFGenerate
 
-        with tqdm(
-            total=workload.num_output_tokens, desc="HF generate", unit="tok", leave=False,
-            file=sys.stderr,
-        ) as bar:  # fmt: skip
-            hf = run_hf_generate(
-                model_dir, workload, args.concurrency, args.threads, args.dtype, args.device,
-                on_tokens=bar.update,
-            )  # fmt: skip
-        baseline = Point("HF generate", None, args.concurrency, hf["records"], hf["elapsed_s"])
-        print(f"  HF generate (static batches of {args.concurrency}): "
-              f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
-        write_results(args, argv, model_dir, workload, points, baseline, started)
+        hf = HFGenerate(model_dir, args.threads, args.dtype, args.device)
+        for concurrency in args.concurrencies:
+            sub = _closed_subset(workload, concurrency, args.min_point_requests)
+            with _progress(sub, f"HF generate C={concurrency}") as bar:
+                run = hf.run(sub, concurrency, on_tokens=bar.update)
+            baseline = Point("HF generate", None, concurrency, run["records"], run["elapsed_s"])
+            baselines.append(baseline)
+            print(f"  HF generate (static batches of {concurrency}): "
+                  f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+            write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
+    write_results(args, argv, model_dir, workload, points, baselines, started)
     return 0
+
+
+def _measure(
+    addr: str, workload: Workload, layout: str, rate: float | None, concurrency: int, seed: int
+) -> Point:
+    """One point of the sweep against a running ring, with a progress bar; prints its line."""
+    what = f"closed C={concurrency}" if rate is None else f"{rate:.2f} req/s"
+    with _progress(workload, f"{layout} {what}") as bar:
+        point = asyncio.run(run_point(addr, workload, layout, rate, concurrency, seed, bar))
+    s = point.summary()
+    print(f"  {layout:>5} {what:>13}: {s['output_tokens_per_s']:7.1f} tok/s, "
+          f"TPOT p50 {_ms(s['tpot_p50_ms'])}", flush=True)  # fmt: skip
+    return point
+
+
+def _progress(workload: Workload, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=workload.num_output_tokens, desc=desc, unit="tok", leave=False, file=sys.stderr
+    )
+
+
+@contextmanager
+def _log_dir(keep: Path | None):
+    """The rings' logs: in `keep` if given (kept), else in a temporary folder."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="ppring-bench-") as tmp:
+        yield Path(tmp)
 
 
 def _ms(value: float | None) -> str:
@@ -313,7 +353,7 @@ def write_results(
     model_dir: Path,
     workload: Workload,
     points: list[Point],
-    baseline: Point | None,
+    baselines: list[Point],
     started: float,
     quiet: bool = False,
 ) -> None:
@@ -331,12 +371,17 @@ def write_results(
         "device": args.device,
         "threads": args.threads,
         "concurrency": args.concurrency,
+        "concurrencies": args.concurrencies,
         "workload": workload.describe(),
         "points": [p.summary() for p in points],
-        "baseline": baseline.summary() if baseline else None,
+        # The baseline at the highest concurrency (the saturation figures), and all of them.
+        "baseline": baselines[-1].summary() if baselines else None,
+        "baselines": [b.summary() for b in baselines],
         "requests": {
-            f"{p.layout} {'closed' if p.rate is None else p.rate}": p.records
-            for p in [*points, *([baseline] if baseline else [])]
+            f"{p.layout} {'closed C=' + str(p.concurrency) if p.rate is None else p.rate}": (
+                p.records
+            )
+            for p in [*points, *baselines]
         },
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -351,14 +396,17 @@ def write_results(
         print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
 
 
-def _subset(
-    workload: Workload, rate: float | None, point_seconds: float, min_requests: int
-) -> Workload:
+def _subset(workload: Workload, rate: float, point_seconds: float, min_requests: int) -> Workload:
     """At a low rate, the first requests only: a point's arrivals last `point_seconds` at most
     (but it keeps `min_requests`, so its percentiles mean something)."""
-    if rate is None:
-        return workload
     n = min(len(workload.requests), max(min_requests, round(rate * point_seconds)))
+    return Workload(workload.seed, workload.requests[:n])
+
+
+def _closed_subset(workload: Workload, concurrency: int, min_requests: int) -> Workload:
+    """A closed loop of C runs the first max(2C, min_requests) requests: enough that places
+    are refilled, not so many that a low concurrency takes all day."""
+    n = min(len(workload.requests), max(2 * concurrency, min_requests))
     return Workload(workload.seed, workload.requests[:n])
 
 
@@ -369,9 +417,12 @@ def _resolve_model(model: str | None) -> Path:
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures the README quotes: saturation tokens/s per layout and for HF generate, the
-    ratios, and TPOT p50 at the lightest load."""
-    closed = {p["layout"]: p for p in result["points"] if p["rate_rps"] is None}
+    """The figures the README quotes: saturation tokens/s (the closed loop at the highest
+    concurrency) per layout and for HF generate, the ratios, TPOT p50 at the lightest load, and,
+    for several concurrencies, tokens/s and TPOT p50 at each."""
+    top = result["concurrency"]
+    closed_all = [p for p in result["points"] if p["rate_rps"] is None]
+    closed = {p["layout"]: p for p in closed_all if p["closed_loop_concurrency"] == top}
     out: dict[str, Any] = {
         "saturation_tokens_per_s": {k: p["output_tokens_per_s"] for k, p in closed.items()}
     }
@@ -394,11 +445,21 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["pp2_over_pp1"] = round(
             closed["PP=2"]["output_tokens_per_s"] / closed["PP=1"]["output_tokens_per_s"], 2
         )
+    baselines = result.get("baselines") or ([base] if base else [])
+    if len({p["closed_loop_concurrency"] for p in closed_all}) > 1:
+        for key, field in (("tokens_per_s", "output_tokens_per_s"), ("tpot_p50_ms", "tpot_p50_ms")):
+            by_concurrency: dict[str, dict[str, float]] = {}
+            for p in [*closed_all, *baselines]:
+                by_concurrency.setdefault(str(p["closed_loop_concurrency"]), {})[p["layout"]] = p[
+                    field
+                ]
+            out[f"closed_loop_{key}"] = by_concurrency
     return out
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [*result["points"], *([result["baseline"]] if result["baseline"] else [])]
+    baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
+    rows = [*result["points"], *baselines]
     lines = [
         f"{'layout':<12}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
         f"{'TPOT p99':>11}{'e2e p50':>10}",
@@ -424,42 +485,96 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
+    """TPOT and tokens/s vs request rate (the sweep, closed loops as squares past it) and, for
+    several concurrencies or no sweep, vs closed-loop concurrency; HF generate in gray."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_tpot, ax_tput) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rated = [p for p in result["points"] if p["rate_rps"] is not None]
+    closed = [p for p in result["points"] if p["rate_rps"] is None]
+    by_rate = bool(rated)
+    by_concurrency = len({p["closed_loop_concurrency"] for p in closed}) > 1 or not rated
+    rows = int(by_rate) + int(by_concurrency)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.5 * rows), squeeze=False)
     layouts = sorted({p["layout"] for p in result["points"]})
-    rated = [p["rate_rps"] for p in result["points"] if p["rate_rps"] is not None]
-    right = max(rated) * 1.25 if rated else 1.0  # the closed-loop point sits past the sweep
-    for i, layout in enumerate(layouts):
-        color = f"C{i}"
-        mine = sorted(
-            (p for p in result["points"] if p["layout"] == layout and p["rate_rps"] is not None),
-            key=lambda p: p["rate_rps"],
-        )
-        closed = [p for p in result["points"] if p["layout"] == layout and p["rate_rps"] is None]
-        xs = [p["rate_rps"] for p in mine]
-        ax_tpot.plot(xs, [p["tpot_p50_ms"] for p in mine], "o-", color=color, label=f"{layout} p50")
-        ax_tpot.plot(
-            xs, [p["tpot_p99_ms"] for p in mine], "o--", color=color, label=f"{layout} p99"
-        )
-        ax_tput.plot(xs, [p["output_tokens_per_s"] for p in mine], "o-", color=color, label=layout)
-        for p in closed:
-            ax_tpot.plot([right], [p["tpot_p50_ms"]], "s", color=color)
-            ax_tput.plot([right], [p["output_tokens_per_s"]], "s", color=color)
-    base = result["baseline"]
-    if base:
-        label = f"HF generate, static batches of {base['closed_loop_concurrency']}"
-        ax_tpot.axhline(base["tpot_p50_ms"], color="gray", linestyle=":", label=f"{label} (p50)")
-        ax_tput.axhline(base["output_tokens_per_s"], color="gray", linestyle=":", label=label)
-    for ax, ylabel in ((ax_tpot, "TPOT (ms)"), (ax_tput, "output tokens/s")):
-        ax.set_xlabel(f"request rate (req/s); squares: closed loop of {result['concurrency']}")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    colors = {layout: f"C{i}" for i, layout in enumerate(layouts)}
+    row = 0
+    if by_rate:
+        ax_tpot, ax_tput = axes[row]
+        row += 1
+        right = max(p["rate_rps"] for p in rated) * 1.25  # closed loops sit past the sweep
+        top = result["concurrency"]
+        for layout in layouts:
+            mine = sorted((p for p in rated if p["layout"] == layout), key=lambda p: p["rate_rps"])
+            xs = [p["rate_rps"] for p in mine]
+            color = colors[layout]
+            ax_tpot.plot(
+                xs, [p["tpot_p50_ms"] for p in mine], "o-", color=color, label=f"{layout} p50"
+            )
+            ax_tpot.plot(
+                xs, [p["tpot_p99_ms"] for p in mine], "o--", color=color, label=f"{layout} p99"
+            )
+            ax_tput.plot(
+                xs, [p["output_tokens_per_s"] for p in mine], "o-", color=color, label=layout
+            )
+            for p in closed:
+                if p["layout"] == layout and p["closed_loop_concurrency"] == top:
+                    ax_tpot.plot([right], [p["tpot_p50_ms"]], "s", color=color)
+                    ax_tput.plot([right], [p["output_tokens_per_s"]], "s", color=color)
+        base = result["baseline"]
+        if base:
+            label = f"HF generate, static batches of {base['closed_loop_concurrency']}"
+            ax_tpot.axhline(
+                base["tpot_p50_ms"], color="gray", linestyle=":", label=f"{label} (p50)"
+            )
+            ax_tput.axhline(base["output_tokens_per_s"], color="gray", linestyle=":", label=label)
+        for ax in (ax_tpot, ax_tput):
+            ax.set_xlabel(f"request rate (req/s); squares: closed loop of {top}")
+    if by_concurrency:
+        ax_tpot, ax_tput = axes[row]
+        baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
+        series = [(layout, colors[layout], "o") for layout in layouts]
+        series.append(("HF generate", "gray", "^"))
+        for layout, color, marker in series:
+            mine = sorted(
+                (p for p in [*closed, *baselines] if p["layout"] == layout),
+                key=lambda p: p["closed_loop_concurrency"],
+            )
+            if not mine:
+                continue
+            xs = [p["closed_loop_concurrency"] for p in mine]
+            ax_tpot.plot(
+                xs,
+                [p["tpot_p50_ms"] for p in mine],
+                marker + "-",
+                color=color,
+                label=f"{layout} p50",
+            )
+            ax_tpot.plot(
+                xs,
+                [p["tpot_p99_ms"] for p in mine],
+                marker + "--",
+                color=color,
+                label=f"{layout} p99",
+            )
+            ax_tput.plot(
+                xs,
+                [p["output_tokens_per_s"] for p in mine],
+                marker + "-",
+                color=color,
+                label=layout,
+            )
+        for ax in (ax_tpot, ax_tput):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("closed-loop concurrency (requests in flight)")
+    for ax_tpot, ax_tput in axes:
+        for ax, ylabel in ((ax_tpot, "TPOT (ms)"), (ax_tput, "output tokens/s")):
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     model = Path(result["model"]).name
     fig.suptitle(
         f"ppring bench serve: {model}, {result['dtype']} on {result['device']}, "

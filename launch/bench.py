@@ -1,5 +1,6 @@
-"""`ppring bench serve|ring`: the measurements users pick a layout from (bench/serve.py,
-bench/ring.py). Both write a JSON file and a PNG into the current folder, or `--out DIR`."""
+"""`ppring bench serve|ring|step`: the measurements users pick a layout from (bench/serve.py,
+bench/ring.py, bench/step.py). Each writes its JSON (serve and ring a PNG too) into the current
+folder, or `--out DIR`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 BENCHES = {
     "serve": ("bench.serve", "local rings of the real model at a sweep of loads, vs HF generate"),
     "ring": ("bench.ring", "simulated stages: pipeline efficiency, async depth, idle fraction"),
+    "step": ("bench.step", "one stage's decode step time against the memory-bandwidth bound"),
 }
 
 

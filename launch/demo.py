@@ -18,7 +18,8 @@ READY_TIMEOUT_S = 300.0
 
 def main(argv: list[str] | None = None) -> int:
     port = find_free_base_port(16)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     cmd = [sys.executable, "-m", "launch", "local", "--pp-size", "2", "--port", str(port)]
     print("$ ppring local --pp-size 2 --port", port, flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)

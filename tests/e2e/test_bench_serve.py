@@ -1,5 +1,6 @@
-"""`ppring bench serve` end to end, shrunk: real rings and HF generate on a tiny random Llama
-that speaks the default model's tokenizer, so it runs in seconds."""
+"""`ppring bench serve` end to end, shrunk: real rings and HF generate on tiny random Llamas, so
+it runs in seconds: one that speaks the default model's tokenizer, and one made by
+bench/random_model.py (the script that builds the GPU run's Llama-3-8B), with its own."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import pytest
 
 from bench import serve as serve_bench
+from bench.random_model import PRESETS, make_random_model
 from tests.tiny_llama import make_tiny_llama
 
 
@@ -37,4 +39,37 @@ def test_bench_serve_runs_every_layout_and_the_baseline(default_model, tmp_path)
     assert result["baseline"]["output_tokens"] == expected_tokens
     assert set(result["headline"]["vs_hf_generate"]) == {"PP=1", "PP=2"}
     assert all(len(records) == 6 for records in result["requests"].values())
+    assert (out / "bench_serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_at_several_concurrencies_on_a_random_model(tmp_path):
+    """The GPU run's shape (closed loops at several concurrencies, no sweep, HF generate at
+    each) on a model from bench/random_model.py, whose word-level tokenizer the frontend loads."""
+    model = make_random_model(tmp_path / "random", PRESETS["tiny"], dtype="float32")
+    out = tmp_path / "out"
+    code = serve_bench.main(
+        [
+            "--model", str(model), "--pp-sizes", "1,2", "--num-requests", "8",
+            "--concurrency", "4,1", "--no-sweep", "--prompt-tokens", "8,64",
+            "--output-tokens", "4,12", "--kv-memory-gib", "0.05",
+            "--log-dir", str(tmp_path / "logs"), "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "bench_serve.json").read_text())
+    assert result["concurrencies"] == [1, 4] and result["concurrency"] == 4
+    points = {(p["layout"], p["closed_loop_concurrency"]): p for p in result["points"]}
+    assert set(points) == {("PP=1", 1), ("PP=1", 4), ("PP=2", 1), ("PP=2", 4)}
+    assert all(p["rate_rps"] is None for p in result["points"])  # --no-sweep
+    # A closed loop of C runs the first max(2C, 6) requests: 6 at C=1, all 8 at C=4.
+    assert points[("PP=1", 1)]["num_requests"] == 6 and points[("PP=1", 4)]["num_requests"] == 8
+    baselines = {b["closed_loop_concurrency"]: b for b in result["baselines"]}
+    assert set(baselines) == {1, 4} and result["baseline"] == baselines[4]
+    for c in (1, 4):  # the same requests, so the same tokens, in every layout and in HF
+        assert points[("PP=1", c)]["output_tokens"] == baselines[c]["output_tokens"]
+        assert points[("PP=2", c)]["output_tokens"] == baselines[c]["output_tokens"]
+    by_c = result["headline"]["closed_loop_tokens_per_s"]
+    assert set(by_c) == {"1", "4"} and set(by_c["1"]) == {"PP=1", "PP=2", "HF generate"}
+    assert (tmp_path / "logs" / "pp2").is_dir()  # --log-dir keeps the rings' logs
     assert (out / "bench_serve.png").read_bytes()[:4] == b"\x89PNG"

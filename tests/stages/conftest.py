@@ -106,6 +106,7 @@ class Chain:
         partition: list[int],
         *,
         dtype: str = "float32",
+        device: str = "cpu",
         kv_budget_bytes: int = KV_BUDGET,
         scattered: bool = True,
         poison: bool = False,
@@ -116,6 +117,7 @@ class Chain:
                 *layer_range(partition, rank),
                 kv_budget_bytes=kv_budget_bytes,
                 dtype=dtype,
+                device=device,
                 rank=rank,
             )
             for rank in range(len(partition))

@@ -1,0 +1,66 @@
+"""`ppring bench step` and bench/random_model.py: the tools of the GPU run, checked on a CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench import step as step_bench
+from bench.random_model import PRESETS, make_random_model
+from stages.config import ModelConfig
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("random"), PRESETS["tiny"], "float32")
+
+
+def test_random_model_has_the_preset_shape_and_a_tokenizer_of_its_vocabulary(random_model):
+    shape = PRESETS["tiny"]
+    config = ModelConfig.from_folder(random_model)
+    assert (config.vocab_size, config.hidden_size, config.num_layers) == (512, 64, 4)
+    assert (config.num_heads, config.num_kv_heads, config.eos_token_ids) == (4, 2, (2,))
+    tokenizer = AutoTokenizer.from_pretrained(random_model)
+    assert len(tokenizer) == shape.vocab_size
+    assert tokenizer.eos_token_id == shape.eos_token_id
+    ids = [7, 300, 511, 256]
+    text = tokenizer.decode(ids)
+    assert text == "t7 t300 t511 t256"
+    assert tokenizer.encode(text, add_special_tokens=False) == ids
+    # Hugging Face loads the same folder: the baseline runs on exactly these weights.
+    model = AutoModelForCausalLM.from_pretrained(random_model, dtype=torch.float32)
+    assert model.config.vocab_size == shape.vocab_size
+    assert PRESETS["llama-3-8b"].num_layers == 32 and PRESETS["llama-3-8b"].vocab_size == 128256
+
+
+def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model, tmp_path):
+    code = step_bench.main(
+        [
+            "--model", str(random_model), "--batch-sizes", "1,3", "--context", "20",
+            "--steps", "3", "--threads", "1", "--copy-mib", "16", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    config = ModelConfig.from_folder(random_model)
+    embedding = config.vocab_size * config.hidden_size * 4  # untied: only its rows are read
+    assert result["weight_bytes_read_per_step"] == result["weight_bytes"] - embedding
+    assert result["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4  # layers, K+V, h_kv, d, fp32
+    assert result["copy_bandwidth_bytes_per_s"] > 0
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["step_ms"] > 0 and row["bound_ms"] > row["bound_weights_ms"] > 0
+        assert row["of_bound"] == pytest.approx(row["bound_ms"] / row["step_ms"], abs=2e-3)
+        # 20 context tokens, 3 warm-up steps, then the median of 3 timed steps (the 2nd).
+        assert row["kv_read_bytes"] == row["batch"] * 24 * result["kv_bytes_per_token"]
+
+
+def test_bench_step_refuses_bad_arguments(capsys):
+    for bad in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--context", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            step_bench.parse_args(bad)
+        assert exc.value.code == 2
+    assert "comma-separated" in capsys.readouterr().err
