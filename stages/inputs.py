@@ -7,7 +7,8 @@ sequences. Attention metadata comes in two shapes:
   attention call; its keys are exactly its context's slots, in position order;
 - decode tokens (one token each) are grouped by context length; each group is one batched call
   over keys padded to the group's longest context, with padded slots masked out. Groups bound the
-  padding to about 2x, and a batch of similar lengths is one group. This costs
+  padding to about 2x, and a batch of similar lengths is one group. On a GPU all decodes are one
+  group: there the calls cost more than the padding. This costs
   n * max_len key reads per group, where one call over the packed keys of all decodes with a
   block-diagonal mask would cost n * sum(len): about n times more.
 """
@@ -140,7 +141,10 @@ def _decode_groups(
 ) -> list[DecodeGroup]:
     if not chunks:
         return []
-    members = _group_by_length([chunk.seq_len for chunk in chunks])
+    if group_decodes_by_length(torch.device(device)):
+        members = _group_by_length([chunk.seq_len for chunk in chunks])
+    else:
+        members = [list(range(len(chunks)))]
     if len(members) == 1 and len(rows) == num_tokens:
         # A pure decode batch of similar lengths: keep batch order, so no gather/scatter of rows.
         return [_decode_group(None, chunks, device)]
@@ -152,6 +156,13 @@ def _decode_groups(
         )
         for group in members
     ]
+
+
+def group_decodes_by_length(device: torch.device) -> bool:
+    """On a CPU, yes: padding costs FLOPs there. On a GPU a group costs a dozen small ops per
+    layer, each a launch and a Python dispatch, which is what a decode step is bound by, while
+    the padded keys cost only bytes: all decodes go in one group."""
+    return device.type == "cpu"
 
 
 def _group_by_length(lengths: list[int]) -> list[list[int]]:

@@ -70,6 +70,6 @@ class KVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store this forward's K and V ([T, h_kv, d]) of local `layer` at `slot_mapping` [T]."""
-        self.data[layer, 0].index_copy_(0, slot_mapping, k)
-        self.data[layer, 1].index_copy_(0, slot_mapping, v)
+        """Store this forward's K and V ([T, h_kv, d]) of local `layer` at `slot_mapping` [T]:
+        one copy for both (ops, not bytes, are what a small GPU batch pays for)."""
+        self.data[layer].index_copy_(1, slot_mapping, torch.stack((k, v)))  # [2, T, h_kv, d]

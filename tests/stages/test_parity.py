@@ -109,3 +109,23 @@ def test_bfloat16_stays_close_to_transformers(tiny_dirs: dict[str, Path]) -> Non
     for seq, got in zip(seqs, logits):
         # bf16 has ~3 significant digits; the tiny model's logits are O(0.1).
         assert (got - hf_logits(folder, seq)).abs().max().item() < 0.02
+
+
+@pytest.mark.parametrize("model", ["gqa", "tied", "mqa"])
+def test_the_gpu_layout_matches_transformers_on_the_cpu(
+    tiny_dirs: dict[str, Path], model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU stage runs (fused [q+k+v] and [gate+up] matmuls, every decode in one padded
+    group), forced on the CPU so CI checks it too."""
+    import stages.inputs
+    import stages.llama
+
+    monkeypatch.setattr(stages.llama, "fuse_projections", lambda device: True)
+    monkeypatch.setattr(stages.inputs, "group_decodes_by_length", lambda device: False)
+    folder = tiny_dirs[model]
+    chain = Chain(folder, [2, 2])
+    assert all(layer.fused for stage in chain.stages for layer in stage.model.layers)
+    prompt_lens = [60, 5, 31, 12]  # decodes of very different lengths share steps
+    seqs = random_seqs([n + 10 for n in prompt_lens], seed=9)
+    logits = drive_teacher_forced(chain, seqs, prompt_lens, chunk_size=8, stagger=1)
+    assert_matches_hf(folder, seqs, logits)
