@@ -361,11 +361,7 @@ def write_results(
     result = {
         "bench": "serve",
         "command": "ppring bench serve " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "machine": machine_info(),
         "model": str(model_dir),
         "dtype": args.dtype,
         "device": args.device,
@@ -508,17 +504,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         top = result["concurrency"]
         for layout in layouts:
             mine = sorted((p for p in rated if p["layout"] == layout), key=lambda p: p["rate_rps"])
-            xs = [p["rate_rps"] for p in mine]
             color = colors[layout]
-            ax_tpot.plot(
-                xs, [p["tpot_p50_ms"] for p in mine], "o-", color=color, label=f"{layout} p50"
-            )
-            ax_tpot.plot(
-                xs, [p["tpot_p99_ms"] for p in mine], "o--", color=color, label=f"{layout} p99"
-            )
-            ax_tput.plot(
-                xs, [p["output_tokens_per_s"] for p in mine], "o-", color=color, label=layout
-            )
+            _curves(ax_tpot, ax_tput, "rate_rps", mine, layout, color, "o")
             for p in closed:
                 if p["layout"] == layout and p["closed_loop_concurrency"] == top:
                     ax_tpot.plot([right], [p["tpot_p50_ms"]], "s", color=color)
@@ -542,30 +529,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 (p for p in [*closed, *baselines] if p["layout"] == layout),
                 key=lambda p: p["closed_loop_concurrency"],
             )
-            if not mine:
-                continue
-            xs = [p["closed_loop_concurrency"] for p in mine]
-            ax_tpot.plot(
-                xs,
-                [p["tpot_p50_ms"] for p in mine],
-                marker + "-",
-                color=color,
-                label=f"{layout} p50",
-            )
-            ax_tpot.plot(
-                xs,
-                [p["tpot_p99_ms"] for p in mine],
-                marker + "--",
-                color=color,
-                label=f"{layout} p99",
-            )
-            ax_tput.plot(
-                xs,
-                [p["output_tokens_per_s"] for p in mine],
-                marker + "-",
-                color=color,
-                label=layout,
-            )
+            if mine:
+                _curves(ax_tpot, ax_tput, "closed_loop_concurrency", mine, layout, color, marker)
         for ax in (ax_tpot, ax_tput):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("closed-loop concurrency (requests in flight)")
@@ -583,6 +548,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _curves(ax_tpot, ax_tput, x_key: str, points: list, label: str, color: str, marker: str):
+    """One layout's TPOT p50 (solid) and p99 (dashed), and its tokens/s, against `x_key`."""
+    xs = [p[x_key] for p in points]
+    tpot = [p["tpot_p50_ms"] for p in points]
+    ax_tpot.plot(xs, tpot, marker + "-", color=color, label=f"{label} p50")
+    tpot = [p["tpot_p99_ms"] for p in points]
+    ax_tpot.plot(xs, tpot, marker + "--", color=color, label=f"{label} p99")
+    tokens = [p["output_tokens_per_s"] for p in points]
+    ax_tput.plot(xs, tokens, marker + "-", color=color, label=label)
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a bench ran, for its JSON."""
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 if __name__ == "__main__":

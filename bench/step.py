@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from bench.serve import _resolve_model
+    from bench.serve import _resolve_model, machine_info
     from stages.batch import blocks_needed
     from stages.config import ModelConfig
     from stages.kv_cache import bytes_per_block
@@ -185,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "step",
         "command": "ppring bench step " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
+            **machine_info(),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
         "model": str(model_dir),

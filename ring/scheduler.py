@@ -18,8 +18,19 @@ So admission only needs room for the first chunk plus one growth block per runni
 when a slot's requests cannot grow, the slot retracts its newest request: its blocks are freed
 and it returns to the waiting queue (at its arrival position) to be recomputed from prompt +
 tokens so far. Retraction happens only in the slot being decided, whose previous batch is no
-longer in flight, so no in-flight batch ever references a freed block. Every stage retracts the
-same request at the same step because the decision is replicated.
+longer in flight. A request of that slot may still have a prefill chunk in flight in another
+slot's batch (below), but never one that samples, and every stage runs steps in order, so that
+chunk has written its (now unused) KV before any later step reuses the freed blocks. Every stage
+retracts the same request at the same step because the decision is replicated.
+
+Prefill is spread over the slots (pp_loop_size > 1). A pipeline runs at the pace of its
+heaviest micro-batch: when one slot's step carries a new prompt and the next slot's only its
+decodes, the stages take turns waiting on each other (measured: both stages of a PP=2 ring idle
+18-20% of the time on the serving bench, whatever the layer split). So a step's prefill budget
+is the pending prefill split over the slots (at most chunked_prefill_size;
+unsplit when a share would be under MIN_PREFILL_CHUNK), and a slot with budget left continues
+other slots' prompts, except their last chunk: the chunk that samples always runs in the
+request's own slot, so its token comes back where the request decodes.
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ from ring.block_allocator import BlockAllocator
 from ring.config import RingConfig
 from ring.request import Req, ReqState
 from stages.batch import SeqChunk, blocks_needed
+
+# Prefill is spread over the slots only in shares of at least this many tokens: a smaller chunk
+# costs more in per-step overhead than it saves in balance.
+MIN_PREFILL_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -80,9 +95,12 @@ def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
 
 @dataclass
 class SchedulerStats:
-    max_batch_requests: int = 0  # the most requests any one micro-batch held
+    # The most requests one slot held (what micro_batch_cap bounds; its batch may also carry
+    # other slots' prefill chunks).
+    max_batch_requests: int = 0
     max_running_requests: int = 0  # the most requests admitted at once
     num_retractions: int = 0
+    num_continued_chunks: int = 0  # prefill chunks run in another slot's batch
     num_batches: int = 0
     num_empty_batches: int = 0
 
@@ -135,13 +153,15 @@ class Scheduler:
         """The batch for `slot` at `step`, and requests finished while deciding (aborts)."""
         aborted = [r for r in self.slots[slot] if r.abort_requested]
         finished = [self._finish(r, "abort") for r in aborted]
-        entries, prefill_budget = self._schedule_running(slot)
-        entries += self._admit(slot, prefill_budget)
+        entries, prefill_budget = self._schedule_running(slot, self._prefill_budget())
+        continued, prefill_budget = self._continue_other_slots(slot, prefill_budget)
+        entries += continued + self._admit(slot, prefill_budget)
         batch = Batch(slot, step, entries, batch_digest(slot, step, entries))
         self.inflight[step] = batch
         self.stats.num_batches += 1
         self.stats.num_empty_batches += not entries
-        self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(entries))
+        held = len(self.slots[slot])
+        self.stats.max_batch_requests = max(self.stats.max_batch_requests, held)
         num_running = sum(len(s) for s in self.slots)
         self.stats.max_running_requests = max(self.stats.max_running_requests, num_running)
         return batch, finished
@@ -237,15 +257,53 @@ class Scheduler:
     def _is_decode(req: Req) -> bool:
         return req.num_pending == 1 and bool(req.output_ids)
 
-    def _schedule_running(self, slot: int) -> tuple[list[BatchEntry], int]:
+    def _prefill_budget(self) -> int:
+        """Prefill tokens for this step: all of `chunked_prefill_size` with one slot; with
+        several, the pending prefill split over them, so that no slot's step is heavier than
+        the next (see the module docstring)."""
+        cap = self.cfg.chunked_prefill_size
+        if self.cfg.pp_loop_size == 1:
+            return cap
+        pending = sum(r.num_pending for s in self.slots for r in s if not self._is_decode(r))
+        if self.num_running < self.cfg.max_running_requests:
+            pending += sum(r.num_pending for r in self.waiting)
+        share = -(-pending // self.cfg.pp_loop_size)
+        return cap if share < MIN_PREFILL_CHUNK else min(cap, share)
+
+    def _continue_other_slots(self, slot: int, budget: int) -> tuple[list[BatchEntry], int]:
+        """Non-final prefill chunks of other slots' requests, oldest first, while budget and KV
+        allow; and the budget left. The request stays in its own slot (its decodes, its
+        retraction, its cap)."""
+        entries: list[BatchEntry] = []
+        others = sorted(
+            (r for s, reqs in enumerate(self.slots) if s != slot for r in reqs),
+            key=lambda r: r.arrival,
+        )
+        for req in others:
+            if budget <= 0:
+                break
+            # All but the chunk that samples; a decoding or output-awaiting request has none.
+            num_tokens = min(req.num_pending - 1, budget)
+            if num_tokens <= 0 or req.abort_requested:
+                continue
+            extra = blocks_needed(req.num_computed + num_tokens) - len(req.block_ids)
+            # As admission does: keep a growth block per running request.
+            if extra + self.num_running > self.allocator.num_free:
+                break
+            entries.append(self._commit(req, num_tokens))
+            budget -= num_tokens
+        self.stats.num_continued_chunks += len(entries)
+        return entries, budget
+
+    def _schedule_running(self, slot: int, prefill_budget: int) -> tuple[list[BatchEntry], int]:
         """Chunks for the slot's admitted requests, retracting the newest until they fit.
 
         Decodes take one token each; prefill chunks (new, chunked, or recomputing requests)
-        share `chunked_prefill_size` tokens. Returns the entries and the prefill budget left.
+        share `prefill_budget` tokens. Returns the entries and the prefill budget left.
         """
         reqs = self.slots[slot]
         while True:
-            plan, budget = [], self.cfg.chunked_prefill_size
+            plan, budget = [], prefill_budget
             for req in reqs:
                 if self._is_decode(req):
                     plan.append((req, 1))

@@ -104,3 +104,31 @@ def test_kv_exhaustion_retracts_the_newest_request_and_requeues_it():
         step += 1
     assert sched.stats.num_retractions == 1
     assert [r.rid for r in sched.slots[0]] == ["a"]
+
+
+def test_with_two_slots_a_prompt_is_spread_over_both_and_samples_in_its_own():
+    cfg = RingConfig(pp_size=2, max_running_requests=8, chunked_prefill_size=512)
+    sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("p", 143)]))
+    plan = []
+    for step in range(3):
+        batch, _ = sched.decide(step % 2, step)
+        plan += [(step % 2, e.req.rid, e.chunk.num_tokens, e.chunk.sample) for e in batch.entries]
+        if batch.sampled:
+            sched.apply_output(Output(step % 2, step, batch.digest, token_ids=[9]))
+    # 143 pending over 2 slots: 72 in slot 0; slot 1, with nothing of its own, continues the
+    # prompt with its share of the 71 left (it may not run the last chunk: that one samples,
+    # and the request decodes in slot 0); slot 0 runs the rest, which samples.
+    assert plan == [(0, "p", 72, False), (1, "p", 36, False), (0, "p", 35, True)]
+    assert sched.stats.num_continued_chunks == 1
+    assert [r.rid for r in sched.slots[0]] == ["p"] and sched.slots[1] == []
+    assert sched.requests["p"].output_ids == [9]
+
+
+def test_one_slot_and_short_prompts_are_not_spread():
+    one = Scheduler(RingConfig(chunked_prefill_size=512), num_kv_blocks=1000, context_length=1000)
+    one.apply_reqs(Reqs(0, 0, new=[new("p", 143)]))
+    assert [e.chunk.num_tokens for e in one.decide(0, 0)[0].entries] == [143]
+    two = Scheduler(RingConfig(pp_size=2), num_kv_blocks=1000, context_length=1000)
+    two.apply_reqs(Reqs(0, 0, new=[new("q", 40)]))  # 20 per slot is under MIN_PREFILL_CHUNK
+    assert [e.chunk.num_tokens for e in two.decide(0, 0)[0].entries] == [40]
