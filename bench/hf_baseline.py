@@ -35,7 +35,7 @@ class HFGenerate:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype), **placement
         )
-        self.model = model.to(device).eval()
+        self.model = model.eval()  # already on `device`: loaded there
         self.device = device
         pad_id = model.generation_config.pad_token_id
         if pad_id is None:

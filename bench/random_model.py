@@ -33,7 +33,7 @@ class Shape:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     bos_token_id: int
-    eos_token_id: int
+    eos_token_id: int | list[int]
     tie_word_embeddings: bool = False
 
 
@@ -86,27 +86,11 @@ def make_random_model(
 ) -> Path:
     """Write a random-init Llama of `shape` to `out` and return the folder."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.rope_scaling is not None:
-        rope = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=shape.max_positions,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        rope_parameters=rope,
-        bos_token_id=shape.bos_token_id,
-        eos_token_id=shape.eos_token_id,
-    )
+    config = llama_config(shape)
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -122,13 +106,37 @@ def make_random_model(
     return out
 
 
+def llama_config(shape: Shape) -> Any:
+    """transformers' LlamaConfig for `shape` (the tests' tiny models are built from it too)."""
+    from transformers import LlamaConfig
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is not None:
+        rope = {**shape.rope_scaling, "rope_theta": shape.rope_theta}
+    return LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_parameters=rope,
+        bos_token_id=shape.bos_token_id,
+        eos_token_id=shape.eos_token_id,
+    )
+
+
 def write_tokenizer(out: Path, shape: Shape) -> None:
     """A word-level tokenizer with exactly `shape.vocab_size` tokens: id i is the word "t{i}",
     except the unknown, BOS and EOS tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = {UNK_TOKEN_ID: "<unk>", shape.bos_token_id: "<s>", shape.eos_token_id: "</s>"}
+    eos = shape.eos_token_id if isinstance(shape.eos_token_id, int) else shape.eos_token_id[0]
+    special = {UNK_TOKEN_ID: "<unk>", shape.bos_token_id: "<s>", eos: "</s>"}
     vocab = {special.get(i, f"t{i}"): i for i in range(shape.vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

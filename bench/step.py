@@ -115,13 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from bench.serve import _resolve_model, machine_info
+    from bench.serve import machine_info
+    from launch.prepare_model import resolve_model
     from stages.batch import blocks_needed
     from stages.config import ModelConfig
     from stages.kv_cache import bytes_per_block
     from stages.runner import StageRunner
 
-    model_dir = _resolve_model(args.model)
+    model_dir = Path(resolve_model(args.model))
     config = ModelConfig.from_folder(model_dir)
     device = torch.device(args.device)
     max_batch = max(args.batch_sizes)

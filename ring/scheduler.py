@@ -275,17 +275,21 @@ class Scheduler:
         allow; and the budget left. The request stays in its own slot (its decodes, its
         retraction, its cap)."""
         entries: list[BatchEntry] = []
+        # All but the chunk that samples: a decoding or output-awaiting request has none.
         others = sorted(
-            (r for s, reqs in enumerate(self.slots) if s != slot for r in reqs),
+            (
+                r
+                for s, reqs in enumerate(self.slots)
+                if s != slot
+                for r in reqs
+                if r.num_pending > 1 and not r.abort_requested
+            ),
             key=lambda r: r.arrival,
         )
         for req in others:
             if budget <= 0:
                 break
-            # All but the chunk that samples; a decoding or output-awaiting request has none.
             num_tokens = min(req.num_pending - 1, budget)
-            if num_tokens <= 0 or req.abort_requested:
-                continue
             extra = blocks_needed(req.num_computed + num_tokens) - len(req.block_ids)
             # As admission does: keep a growth block per running request.
             if extra + self.num_running > self.allocator.num_free:

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from bench.random_model import Shape, llama_config
 
 
 def make_tiny_llama(
@@ -36,22 +38,21 @@ def make_tiny_llama(
     `model.safetensors.index.json` to exercise the index-less loader path.
     """
     path = Path(path)
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling is not None:
-        rope_parameters = {**rope_scaling, "rope_theta": rope_theta}
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-        rope_parameters=rope_parameters,
-        bos_token_id=1,
-        eos_token_id=eos_token_id,
+    config = llama_config(
+        Shape(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            max_positions=max_positions,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            bos_token_id=1,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tied,
+        )
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
