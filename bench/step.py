@@ -1,16 +1,22 @@
-"""`ppring bench step`: one stage's decode step time against the memory-bandwidth bound.
+"""`ppring bench step`: one stage's decode step time against the floors it measures itself.
 
-    ppring bench step [--model DIR] [--dtype] [--device] [--batch-sizes 1,16,64] [--context 512]
+    ppring bench step [--model DIR] [--dtype auto] [--quantization none|int8] [--device]
+                      [--batch-sizes 1,16,64] [--context 512]
 
-Decode is memory-bound: each step reads every weight once (an untied embedding table only in the
-rows it looks up), and each sequence's KV once, and does little arithmetic per byte. So the
-floor of a step is (weight bytes read + KV bytes read) over
-the memory bandwidth, and that bandwidth is measured here, on the same device, as a large
-tensor copy (bytes read + bytes written, per second). The bench loads the whole model as one
-stage (PP=1), prefills `--context` tokens for each of B sequences, then times decode steps
-exactly as the ring runs them (`StageRunner.run`: inputs built from block tables, the forward,
-sampling, and the token ids back on the host), median of `--steps`. It prints a table and
-writes `bench_step.json` into `--out`.
+Two floors, both measured in the same run on the same device:
+- the memory bound: a decode step reads every weight once (an untied embedding table only in
+  the rows it looks up) and each sequence's KV once, so it costs at least (weight bytes + KV
+  bytes) over the memory bandwidth, measured here as a large tensor copy (bytes read + bytes
+  written, per second). It binds a small batch ("weights" is the weight share alone);
+- the compute floor: the same step's matmuls alone (every weight matrix of the stage, called
+  the way the stage calls it, in a loop with nothing else, at the batch's row count) plus the
+  step's KV bytes over the copy bandwidth. It binds a batch of many rows on a CPU, where
+  matmuls are compute-bound; the ratio step / floor is what attention, the small ops and the
+  host add on top. F.linear on the same weights is timed too, for comparison.
+The bench loads the whole model as one stage (PP=1), prefills `--context` tokens for each of B
+sequences, then times decode steps exactly as the ring runs them (`StageRunner.run`: inputs
+built from block tables, the forward, sampling, and the token ids back on the host), median of
+`--steps`. It prints a table and writes `bench_step.json` into `--out`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ PREFILL_CHUNK_TOKENS = 2048  # per forward while filling the cache: bounds activ
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ppring bench step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--quantization", choices=("none", "int8"), default="none")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch-sizes", default="1,16,64", help="sequences per decode step")
@@ -72,6 +79,52 @@ def copy_bandwidth(device: Any, nbytes: int, repeats: int = 10) -> float:
         synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def matmul_modules(runner: Any) -> list[Any]:
+    """Every weight matrix of the stage as the stage calls it (its linear modules), in order."""
+    model = runner.model
+    modules = [
+        proj
+        for layer in model.layers
+        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    return modules + ([model.lm_head] if model.is_last_stage else [])
+
+
+def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | None]:
+    """Median seconds of one pass over every matmul of a decode step at `batch` rows: through
+    the stage's own modules, and through F.linear on the same (unquantized) weights."""
+    import torch
+    import torch.nn.functional as F
+
+    modules = matmul_modules(runner)
+    widths = {_in_features(m) for m in modules}
+    inputs = {k: torch.randn(batch, k, device=runner.device).to(runner.dtype) for k in widths}
+    weights = [getattr(m, "weight", None) for m in modules]
+
+    def median(fn: Any) -> float:
+        with torch.inference_mode():
+            fn()
+            times = []
+            for _ in range(repeats):
+                synchronize(runner.device)
+                start = time.perf_counter()
+                fn()
+                synchronize(runner.device)
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    own = median(lambda: [m(inputs[_in_features(m)]) for m in modules])
+    dense = None
+    if all(w is not None for w in weights):
+        dense = median(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+    return {"stage_s": own, "f_linear_s": dense}
+
+
+def _in_features(module: Any) -> int:
+    weight = getattr(module, "weight", None)
+    return int((weight if weight is not None else module.qweight).shape[1])
 
 
 def time_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str, float]:
@@ -119,12 +172,15 @@ def main(argv: list[str] | None = None) -> int:
     from launch.prepare_model import resolve_model
     from stages.batch import blocks_needed
     from stages.config import ModelConfig
+    from stages.dtype import resolve_dtype
     from stages.kv_cache import bytes_per_block
     from stages.runner import StageRunner
 
     model_dir = Path(resolve_model(args.model))
     config = ModelConfig.from_folder(model_dir)
     device = torch.device(args.device)
+    choice = resolve_dtype(args.dtype, device, config.torch_dtype)
+    args.dtype = choice.name
     max_batch = max(args.batch_sizes)
     blocks = max_batch * blocks_needed(args.context + WARMUP_STEPS + args.steps)
     block_bytes = bytes_per_block(config, config.num_layers, args.dtype)
@@ -137,20 +193,24 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         device=device,
         num_threads=args.threads,
+        quantization=args.quantization,
     )
     runner.allocate_kv(blocks)
     weight_bytes = runner.parameter_bytes
     # A decode step reads every weight once, except an untied embedding table: of that it
     # reads only the B rows of this step's tokens.
     embed = runner.model.embed_tokens
-    untied_embedding = 0 if runner.model.lm_head is embed else embed.numel() * embed.element_size()
+    head = getattr(runner.model.lm_head, "weight", None)
+    untied_embedding = 0 if head is embed else embed.numel() * embed.element_size()
     read_bytes = weight_bytes - untied_embedding
     # A copy several times any cache: 1/8 of the weights, at least 256 MiB, at most 4 GiB.
     copy_mib = args.copy_mib or min(4096, max(256, weight_bytes // 8 // 2**20))
     bandwidth = copy_bandwidth(device, copy_mib * 2**20)
     kv_per_token = config.num_layers * config.kv_bytes_per_token_per_layer(args.dtype)
     print(
-        f"ppring bench step: {model_dir.name}, {args.dtype} on {device}, {args.threads} threads; "
+        f"ppring bench step: {model_dir.name}, {args.dtype} ({choice.reason}), "
+        f"weights {args.quantization if args.quantization != 'none' else 'unquantized'}, "
+        f"on {device}, {args.threads} threads; "
         f"weights {weight_bytes / 1e9:.2f} GB ({read_bytes / 1e9:.2f} GB read per step), "
         f"KV {kv_per_token / 1024:.0f} KiB/token; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_mib} MiB, read + write)",
@@ -159,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in args.batch_sizes:
         timing = time_decode(runner, batch, args.context, args.steps)
+        matmuls = time_matmuls(runner, batch, max(5, args.steps // 2))
         kv_bytes = batch * timing["mean_context"] * kv_per_token
         bound_weights_s = read_bytes / bandwidth
         bound_s = (read_bytes + kv_bytes) / bandwidth
+        # The compute floor takes the faster of the stage's matmuls and F.linear's, so a slow
+        # matmul of ours cannot flatter the ratio.
+        fastest = min(x for x in (matmuls["stage_s"], matmuls["f_linear_s"]) if x is not None)
+        floor_s = fastest + kv_bytes / bandwidth
         rows.append(
             {
                 "batch": batch,
@@ -170,15 +235,27 @@ def main(argv: list[str] | None = None) -> int:
                 "step_min_ms": round(1000 * timing["min_s"], 3),
                 "tokens_per_s": round(batch / timing["median_s"], 1),
                 "kv_read_bytes": round(kv_bytes),
-                "bound_weights_ms": round(1000 * bound_weights_s, 3),
-                "bound_ms": round(1000 * bound_s, 3),
+                "bound_weights_ms": round(1000 * bound_weights_s, 6),
+                "bound_ms": round(1000 * bound_s, 6),
                 "of_bound": round(bound_s / timing["median_s"], 3),
+                "over_weights_bound": round(timing["median_s"] / bound_weights_s, 3),
+                "matmuls_ms": round(1000 * matmuls["stage_s"], 3),
+                "f_linear_ms": (
+                    None
+                    if matmuls["f_linear_s"] is None
+                    else round(1000 * matmuls["f_linear_s"], 3)
+                ),
+                "kv_ms": round(1000 * kv_bytes / bandwidth, 6),
+                "floor_ms": round(1000 * floor_s, 3),
+                "over_floor": round(timing["median_s"] / floor_s, 3),
             }
         )
+        r = rows[-1]
         print(
-            f"  batch {batch:>3}: step {rows[-1]['step_ms']:8.2f} ms; bound "
-            f"{rows[-1]['bound_ms']:7.2f} ms (weights alone {rows[-1]['bound_weights_ms']:.2f}); "
-            f"{rows[-1]['of_bound']:.0%} of the bound",
+            f"  batch {batch:>3}: step {r['step_ms']:8.2f} ms; {r['over_weights_bound']:.2f}x the "
+            f"weight-read bound ({r['bound_weights_ms']:.2f} ms), {r['over_floor']:.2f}x the "
+            f"floor ({r['floor_ms']:.2f} ms = matmuls {r['matmuls_ms']:.2f} "
+            f"[F.linear {r['f_linear_ms']}] + KV {r['kv_ms']:.2f})",
             flush=True,
         )
     result = {
@@ -190,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "model": str(model_dir),
         "dtype": args.dtype,
+        "dtype_reason": choice.reason,
+        "quantization": args.quantization,
         "device": str(device),
         "threads": args.threads,
         "weight_bytes": weight_bytes,
@@ -211,17 +290,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'batch':>5}{'context':>9}{'step ms':>10}{'tok/s':>10}{'bound ms':>10}"
-        f"{'weights ms':>12}{'of bound':>10}"
+        f"{'batch':>5}{'context':>9}{'step ms':>10}{'tok/s':>10}{'weights ms':>12}"
+        f"{'x weights':>11}{'matmuls ms':>12}{'KV ms':>8}{'floor ms':>10}{'x floor':>9}"
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['batch']:>5}{r['context']:>9}{r['step_ms']:>10.2f}{r['tokens_per_s']:>10.1f}"
-            f"{r['bound_ms']:>10.2f}{r['bound_weights_ms']:>12.2f}{r['of_bound']:>10.0%}"
+            f"{r['bound_weights_ms']:>12.2f}{r['over_weights_bound']:>11.2f}"
+            f"{r['matmuls_ms']:>12.2f}{r['kv_ms']:>8.2f}{r['floor_ms']:>10.2f}"
+            f"{r['over_floor']:>9.2f}"
         )
     lines.append(
-        f"bound = (weights read + KV read) / copy bandwidth "
-        f"({result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured)"
+        f"weights = weight bytes read / copy bandwidth "
+        f"({result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured, read + write); "
+        "floor = the step's matmuls alone (the faster of the stage's and F.linear) "
+        "+ KV bytes / copy bandwidth"
     )
     return "\n".join(lines)
 

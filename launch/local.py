@@ -60,6 +60,7 @@ def stage_argv(
         "--ring-timeout", str(args.ring_timeout),
         "--stage-impl", args.stage_impl, "--model", str(model_dir),
         "--dtype", args.dtype, "--device", args.device,
+        "--quantization", args.quantization, "--partition-rule", args.partition_rule,
         "--threads-per-stage", str(args.threads_per_stage),
         "--kv-memory-gib", str(args.kv_memory_gib),
         "--sim-t0-ms", str(args.sim_t0_ms), "--sim-t-token-ms", str(args.sim_t_token_ms),
@@ -88,7 +89,7 @@ class Startup:
 def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
     from ring.config import RingConfig
     from stages.config import ModelConfig
-    from stages.partition import partition_from_env
+    from stages.partition import PARTITION_ENV, StageCosts, partition_for_model
 
     config = ModelConfig.from_folder(model_dir)
     cfg = RingConfig(
@@ -97,19 +98,53 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
         max_running_requests=args.max_running_requests,
         pp_max_micro_batch_size=args.pp_max_micro_batch_size,
     )
-    split = partition_from_env(config.num_layers, args.pp_size)
+    split = partition_for_model(config, args.pp_size, args.partition_rule)
     context = (
         args.sim_context_length if args.stage_impl == "sim" else config.max_position_embeddings
     )
+    shares = ", ".join(f"{100 * x:.0f}%" for x in StageCosts.for_model(config).shares(split))
+    how = PARTITION_ENV if os.environ.get(PARTITION_ENV) else f"rule {args.partition_rule}"
     lines = [
         f"model: {model_dir} ({config.num_layers} layers, d={config.hidden_size}), "
-        f"{args.dtype} on {args.device}, stage impl {args.stage_impl}",
-        f"layers per stage: {split}",
+        f"on {args.device}, stage impl {args.stage_impl}",
+        *compute_lines(args, config),
+        f"layers per stage: {split} ({how}; estimated share of a decode step: {shares})",
         f"slots: {cfg.pp_loop_size} (pp_size {cfg.pp_size} + async depth "
         f"{cfg.pp_async_batch_depth}); requests per micro-batch <= {cfg.micro_batch_cap}, "
         f"running <= {cfg.max_running_requests}; {args.threads_per_stage} threads per stage",
     ]
     return Startup(lines, context, config, split)
+
+
+def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
+    """What the stages will compute in and why: the dtype (`auto` resolved for this machine),
+    the quantization, and the CPU kernels. Raises ConfigError for a choice the device cannot
+    run, so a bad flag is one sentence here, not a crash in a stage."""
+    if args.stage_impl == "sim":
+        return []
+    import torch
+
+    from stages import native
+    from stages.dtype import resolve_dtype
+    from stages.linear import check_quantization
+
+    choice = resolve_dtype(args.dtype, args.device, config.torch_dtype)
+    kernels_wanted = args.device == "cpu" and choice.name in ("float32", "bfloat16")
+    kernels = native.kernels() if kernels_wanted else None
+    reason = native.unavailable_reason()
+    check_quantization(args.quantization, torch.device(args.device), kernels, reason)
+    lines = [f"dtype: {choice.name} ({choice.reason})"]
+    if choice.warning:
+        lines.append(f"warning: {choice.warning}")
+    if args.quantization == "int8":
+        lines.append("weights: int8, one scale per output channel (--quantization int8)")
+    if args.device == "cpu":
+        lines.append(
+            "CPU kernels: paged attention, matmuls and small ops in stages/cpu_kernels.c"
+            if kernels
+            else f"CPU kernels: off ({reason}); torch's ops instead"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,8 @@ def hello_info(args: argparse.Namespace, config_hash: str, partition: list[int])
         args.chunked_prefill_size,
         args.stage_impl,
         args.dtype,
+        args.quantization,
+        args.partition_rule,
     ]
     return {
         "host": args.host,

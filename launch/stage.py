@@ -35,7 +35,26 @@ def add_ring_args(parser: argparse.ArgumentParser) -> None:
 def add_stage_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage-impl", choices=("real", "sim"), default="real")
     parser.add_argument("--model", default=None, help="a local Hugging Face folder")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="auto: bfloat16 on a CPU with native bf16 (AVX-512 BF16 or AMX), else float32; "
+        "the checkpoint's dtype on a GPU",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weight-only int8 with per-channel scales (CPU), for a single stream",
+    )
+    parser.add_argument(
+        "--partition-rule",
+        choices=("cost", "seed"),
+        default="cost",
+        help="cost: stages of equal cost (the last one's lm_head counted); seed: L // S layers "
+        "each, the remainder before the last (PPRING_LAYER_PARTITION overrides both)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads-per-stage", type=int, default=None)
     parser.add_argument("--kv-memory-gib", type=float, default=DEFAULT_KV_MEMORY_GIB)
@@ -88,6 +107,8 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         dtype=args.dtype,
         device=args.device,
         num_threads=args.threads_per_stage,
+        quantization=args.quantization,
+        partition_rule=args.partition_rule,
     )
     model = stage.config
     info = ModelInfo(

@@ -1,7 +1,13 @@
 """Turn a batch of `SeqChunk`s into the tensors one forward needs, once, shared by all layers.
 
 The batch is packed (varlen): T = the sum of the chunks' token counts, no padding between
-sequences. Attention metadata comes in two shapes:
+sequences. Attention metadata depends on how attention runs:
+
+- `paged` (the CPU kernel in `cpu_kernels.c`): per chunk its first row, its row count, its
+  context length and its block table, [N] and [N, max_blocks] int32. The kernel walks the block
+  table and reads K and V where they lie; nothing is copied.
+- `gather` (torch: a GPU stage, or a CPU with no C compiler) gathers each context's K and V into
+  a dense tensor for SDPA, in two shapes:
 
 - a prefill chunk (more than one token, maybe with earlier context: chunked prefill) gets its own
   attention call; its keys are exactly its context's slots, in position order;
@@ -43,21 +49,40 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedAttn:
+    """One row per chunk of the batch: what the paged kernel reads."""
+
+    q_start: torch.Tensor  # [N] int32, the chunk's first row in the packed batch
+    q_len: torch.Tensor  # [N] int32, its rows
+    ctx_len: torch.Tensor  # [N] int32, its keys: seq_len (earlier context + this chunk)
+    block_table: torch.Tensor  # [N, max_blocks] int32; entries past a context are never read
+
+
+@dataclass
 class ForwardInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     slot_mapping: torch.Tensor  # [T] long, where each token's K/V is written
     cu_seqlens: torch.Tensor  # [N + 1] int32, chunk boundaries in the packed batch
     sample_rows: torch.Tensor  # [num_sampled] long, last row of each chunk with sample=True
-    prefills: list[PrefillAttn]
-    decode_groups: list[DecodeGroup]
+    prefills: list[PrefillAttn]  # gather: one per prefill chunk
+    decode_groups: list[DecodeGroup]  # gather: decodes grouped by context length
+    paged: PagedAttn | None = None  # paged: every chunk, prefill or decode
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
-def build_inputs(chunks: list[SeqChunk], device: str | torch.device = "cpu") -> ForwardInputs:
+ATTENTION_BACKENDS = ("paged", "gather")
+
+
+def build_inputs(
+    chunks: list[SeqChunk], device: str | torch.device = "cpu", attention: str = "gather"
+) -> ForwardInputs:
+    """The forward's tensors; `attention` ("paged" or "gather") picks the metadata built."""
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
     if not chunks:
         raise ValueError("a forward needs at least one chunk")
     input_ids: list[int] = []
@@ -82,6 +107,8 @@ def build_inputs(chunks: list[SeqChunk], device: str | torch.device = "cpu") -> 
         cu_seqlens.append(row + n)
         if chunk.sample:
             sample_rows.append(row + n - 1)
+        if attention == "paged":
+            continue
         if n == 1:
             decode_rows.append(row)
             decode_chunks.append(chunk)
@@ -90,6 +117,7 @@ def build_inputs(chunks: list[SeqChunk], device: str | torch.device = "cpu") -> 
 
     num_tokens = cu_seqlens[-1]
     decode_groups = _decode_groups(decode_rows, decode_chunks, num_tokens, device)
+    paged = _paged_attn(chunks, cu_seqlens, device) if attention == "paged" else None
     return ForwardInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -98,6 +126,21 @@ def build_inputs(chunks: list[SeqChunk], device: str | torch.device = "cpu") -> 
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         prefills=prefills,
         decode_groups=decode_groups,
+        paged=paged,
+    )
+
+
+def _paged_attn(
+    chunks: list[SeqChunk], cu_seqlens: list[int], device: str | torch.device
+) -> PagedAttn:
+    num_blocks = max(-(-chunk.seq_len // BLOCK_SIZE) for chunk in chunks)
+    # Each table cut to what its context needs and padded with block 0, which is never read.
+    table = [(chunk.block_ids + [0] * num_blocks)[:num_blocks] for chunk in chunks]
+    return PagedAttn(
+        q_start=torch.tensor(cu_seqlens[:-1], dtype=torch.int32, device=device),
+        q_len=torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32, device=device),
+        ctx_len=torch.tensor([c.seq_len for c in chunks], dtype=torch.int32, device=device),
+        block_table=torch.tensor(table, dtype=torch.int32, device=device),
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +21,35 @@ from stages.attention import paged_attention
 from stages.config import ModelConfig, RopeScaling
 from stages.inputs import ForwardInputs
 from stages.kv_cache import KVCache
+from stages.linear import make_linear
+from stages.native import NativeKernels
+from stages.ops import NativeOps, Ops, TorchOps
 from stages.weights import EMBED, FINAL_NORM, LM_HEAD
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How this stage computes, chosen once when it is built: the small ops (torch or the CPU
+    kernels), and what multiplies by a weight (see stages/linear.py)."""
+
+    ops: Ops
+    kernels: NativeKernels | None  # the CPU kernels, where this stage uses them
+    quantization: str = "none"
+
+    @classmethod
+    def for_device(
+        cls, device: torch.device, kernels: NativeKernels | None = None, quantization: str = "none"
+    ) -> Kind:
+        if device.type != "cpu":
+            kernels = None
+        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization)
+
+    def linear(self, weight: torch.Tensor) -> nn.Module:
+        return make_linear(weight, self.quantization, self.kernels)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, d] -> [T, d]; statistics in fp32 whatever the dtype, as transformers does.
-
-    One fused op, not transformers' eight: a decode step is a few thousand small ops, and on a
-    GPU each costs a kernel launch and its Python dispatch, which is what bounds a small batch.
-    fp32 results are bit-identical to transformers'; bf16 ones round once instead of twice."""
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -57,60 +73,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(wavelen < original / scaling.high_freq_factor, inv_freq, scaled)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, signed sin [T, 1, d] (the 1 broadcasts over heads). The sine's
-    first half is negated: see apply_rope."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2], fp32
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-    sin = angles.sin()
-    sin[..., : freqs.shape[-1]].neg_()
-    return angles.cos().to(dtype), sin.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; rotate-half convention (the layout Hugging Face checkpoints use).
-
-    rotate_half(x) = [-x2, x1] is roll(x, d/2) = [x2, x1] with its first half negated, and that
-    sign lives in `signed_sin` (computed once per forward): four ops per call instead of seven,
-    the same arithmetic exactly (a sign flip rounds nothing)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def fuse_projections(device: torch.device) -> bool:
-    """One [q+k+v] and one [gate+up] matmul on a GPU, where they save launches (what bounds a
-    small batch there). On the CPUs measured the fused matrices ran slower than the separate
-    ones (they fall out of cache), so a CPU stage keeps them apart."""
-    return device.type != "cpu"
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, kind: Kind
+    ) -> None:
         super().__init__()
 
-        def take(name: str) -> nn.Parameter:
+        def take(name: str) -> torch.Tensor:
             # pop: the stage module becomes the only owner of its weights
-            return _param(weights.pop(prefix + name))
+            return weights.pop(prefix + name)
 
+        self.ops = kind.ops
         self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        self.input_norm = take("input_layernorm.weight")  # [d]
-        q, k, v = (take(f"self_attn.{n}_proj.weight") for n in "qkv")  # [h * d_head, d], ...
-        gate, up = take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")  # [I, d] each
-        self.o_proj = take("self_attn.o_proj.weight")  # [d, h * d_head]
-        self.post_attn_norm = take("post_attention_layernorm.weight")  # [d]
-        self.down_proj = take("mlp.down_proj.weight")  # [d, intermediate]
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.fused = fuse_projections(q.device)
-        if self.fused:
-            self.qkv_proj = _param(torch.cat((q, k, v)))  # [(h + 2 h_kv) * d_head, d]
-            self.gate_up_proj = _param(torch.cat((gate, up)))  # [2 I, d]
-        else:
-            self.q_proj, self.k_proj, self.v_proj = q, k, v
-            self.gate_proj, self.up_proj = gate, up
+        self.input_norm = _param(take("input_layernorm.weight"))  # [d]
+        self.post_attn_norm = _param(take("post_attention_layernorm.weight"))  # [d]
+        # One [q+k+v] and one [gate+up] matmul: fewer calls (a GPU launch, or a kernel call on a
+        # CPU), and the kernels read q, k, v and gate, up straight out of their outputs.
+        qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(h+2h_kv)d, d]
+        gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")))  # [2I, d]
+        self.qkv_proj = kind.linear(qkv)
+        self.o_proj = kind.linear(take("self_attn.o_proj.weight"))  # [d, h * d_head]
+        self.gate_up_proj = kind.linear(gate_up)
+        self.down_proj = kind.linear(take("mlp.down_proj.weight"))  # [d, I]
 
     def forward(
         self,
@@ -123,39 +109,18 @@ class DecoderLayer(nn.Module):
         inputs: ForwardInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [T, d] -> (h, residual) [T, d]; `layer` is the local index into `kv`."""
-        residual = h if residual is None else h + residual
-        x = rms_norm(residual, self.input_norm, self.eps)
-        h = self._attention(x, cos, sin, kv, layer, inputs)
-        residual = h + residual
-        x = rms_norm(residual, self.post_attn_norm, self.eps)
-        if self.fused:
-            gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)  # [T, I] each
-        else:
-            gate, up = F.linear(x, self.gate_proj), F.linear(x, self.up_proj)
-        return F.linear(F.silu(gate) * up, self.down_proj), residual
-
-    def _attention(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: KVCache,
-        layer: int,
-        inputs: ForwardInputs,
-    ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        if self.fused:
-            q, k, v = F.linear(x, self.qkv_proj).split(
-                (self.q_size, self.kv_size, self.kv_size), dim=-1
-            )
-        else:
-            q, k, v = F.linear(x, self.q_proj), F.linear(x, self.k_proj), F.linear(x, self.v_proj)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, h, d]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, h_kv, d]
-        kv.write(layer, inputs.slot_mapping, k, v)
-        o = paged_attention(q, kv.layer(layer), inputs)  # [T, h, d]
-        return F.linear(o.reshape(num_tokens, -1), self.o_proj)  # [T, d]
+        num_tokens = h.shape[0]
+        # A stage's first layer may read hidden_states straight out of a received frame
+        # (read-only); every later h is the previous layer's own output, free to overwrite.
+        x, residual = self.ops.add_rms_norm(h, residual, self.input_norm, self.eps, layer > 0)
+        kv_layer = kv.layer(layer)  # [2, slots, h_kv, d]
+        q = self.ops.rope_store(
+            self.qkv_proj(x), cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
+        )  # [T, h, d]; this step's K and V are now in the cache
+        o = paged_attention(q, kv_layer, inputs)  # [T, h, d]
+        h = self.o_proj(o.view(num_tokens, -1))  # [T, d]
+        x, residual = self.ops.add_rms_norm(h, residual, self.post_attn_norm, self.eps, True)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))), residual
 
 
 class LlamaStage(nn.Module):
@@ -163,18 +128,25 @@ class LlamaStage(nn.Module):
     norm and lm_head on the last. `weights` is consumed (its tensors move into the module)."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], start: int, end: int
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        start: int,
+        end: int,
+        kind: Kind | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.start_layer, self.end_layer = start, end
         self.is_first_stage = start == 0
         self.is_last_stage = end == config.num_layers
+        norm = weights[f"model.layers.{start}.input_layernorm.weight"]
+        self.dtype, self.device = norm.dtype, norm.device
+        kind = kind or Kind.for_device(self.device)
+        self.ops = kind.ops
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.") for i in range(start, end)
+            DecoderLayer(config, weights, f"model.layers.{i}.", kind) for i in range(start, end)
         )
-        self.dtype = self.layers[0].o_proj.dtype
-        self.device = self.layers[0].o_proj.device
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)  # [d/2]
         # First stage embeds the token ids; later stages start from what the previous sent.
@@ -189,7 +161,7 @@ class LlamaStage(nn.Module):
             head = weights.pop(LM_HEAD)
             # Tied on one stage: reuse the embedding Parameter so the bytes are held once.
             tied = self.is_first_stage and head.data_ptr() == self.embed_tokens.data_ptr()
-            self.lm_head = self.embed_tokens if tied else _param(head)  # [V, d]
+            self.lm_head = kind.linear(self.embed_tokens if tied else head)  # [V, d]
 
     def forward(
         self,
@@ -200,7 +172,7 @@ class LlamaStage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
-        cos, sin = rope_cos_sin(inputs.positions, self.inv_freq, self.dtype)  # shared by layers
+        cos, sin = self.ops.rope_tables(inputs.positions, self.inv_freq, self.dtype)  # all layers
         for layer_index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv, layer_index, inputs)
         assert residual is not None  # every stage has at least one layer
@@ -211,10 +183,10 @@ class LlamaStage(nn.Module):
     ) -> torch.Tensor:
         """Last stage: final norm of h + r, then lm_head, only for `rows` ([N] long) or for all
         T rows when None. Returns [N, V] in the stage dtype."""
-        x = h + residual  # [T, d]
-        if rows is not None:
-            x = x.index_select(0, rows)  # [N, d]; the norm is per row, so select first
-        return F.linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+        if rows is not None:  # the norm is per row, so select first: [N, d]
+            h, residual = h.index_select(0, rows), residual.index_select(0, rows)
+        x, _ = self.ops.add_rms_norm(h, residual, self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(x)
 
     def _embed(
         self,

@@ -1,26 +1,116 @@
 """Which layers each pipeline stage owns.
 
-Default rule (DESIGN.md §4): every stage gets `L // S` layers and the remainder `x` goes one
-layer each to the `x` stages just before the last. That is the same as "all but the last" when
-`x = S - 1`, and "the middle stages, first and last excluded" when `S > 2` and `x <= S - 2`:
-the last stage also runs the final norm, lm_head and the sampler, and the first holds the
-embedding, so they are the ones to keep light.
+Two rules, picked by `--partition-rule` (PPRING_LAYER_PARTITION=a,b,... overrides both):
+
+- `cost` (the default): stages of equal cost, counting what each really runs per decoded token:
+  its layers (weights and attention over a typical context), the first stage's embedding, the
+  last stage's final norm, lm_head and sampler. The costs are derived from the model's shape
+  (`StageCosts.for_model`), the same on every node, so every stage computes the same split.
+  For SmolLM2 the lm_head (49,152 x 576) is about seven layers of decode work: at PP=2 the
+  seed's [15, 15] left stage 0 waiting 43% of the time for the last stage; `cost` gives
+  [18, 12].
+- `seed` (DESIGN.md §4): every stage gets `L // S` layers and the remainder `x` goes one layer
+  each to the `x` stages just before the last. That is the same as "all but the last" when
+  `x = S - 1`, and "the middle stages, first and last excluded" when `S > 2` and `x <= S - 2`:
+  the last stage also runs the final norm, lm_head and the sampler, and the first holds the
+  embedding, so they are the ones to keep light.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stages.errors import ConfigError
+
+if TYPE_CHECKING:
+    from stages.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 PARTITION_ENV = "PPRING_LAYER_PARTITION"
+PARTITION_RULES = ("cost", "seed")
+# The context a decode step's attention is costed at: a typical serving context, long enough
+# that attention is not free and short enough that weights dominate, as they do in serving.
+COST_CONTEXT_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per decoded token, in FLOPs: one layer, and what the first and the last stage add."""
+
+    layer: float
+    first_extra: float  # embedding lookup
+    last_extra: float  # final norm, lm_head, sampling
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, context: int = COST_CONTEXT_TOKENS) -> StageCosts:
+        d, head_dim = config.hidden_size, config.head_dim
+        q_size = config.num_heads * head_dim
+        kv_size = config.num_kv_heads * head_dim
+        weights = d * (q_size + 2 * kv_size) + q_size * d + 3 * d * config.intermediate_size
+        attention = 4 * context * q_size  # q.k and p.v over the context, every query head
+        elementwise = 20 * d + 4 * config.intermediate_size  # norms, RoPE, SiLU: small
+        vocab = config.vocab_size
+        return cls(
+            layer=2 * weights + attention + elementwise,
+            first_extra=d,
+            # the lm_head matmul, plus the sampler's few passes over the logits
+            last_extra=2 * vocab * d + 10 * d + 8 * vocab,
+        )
+
+    def stage_costs(self, partition: list[int]) -> list[float]:
+        costs = [n * self.layer for n in partition]
+        costs[0] += self.first_extra
+        costs[-1] += self.last_extra
+        return costs
+
+    def shares(self, partition: list[int]) -> list[float]:
+        """Each stage's share of the whole step's cost (they sum to 1)."""
+        costs = self.stage_costs(partition)
+        return [c / sum(costs) for c in costs]
+
+
+def cost_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int]:
+    """The split whose most expensive stage costs least; among those, the most even (least sum
+    of squared stage costs), so stages with slack are not split at random. Exact, by dynamic
+    programming over (stages, layers so far), twice."""
+    _check_sizes(num_layers, pp_size)
+
+    def stage_cost(stage: int, layers: int) -> float:
+        cost = layers * costs.layer
+        cost += costs.first_extra if stage == 0 else 0.0
+        return cost + (costs.last_extra if stage == pp_size - 1 else 0.0)
+
+    def solve(combine, cap: float) -> list[int]:
+        # best[s][n]: the best value for stages 0..s-1 holding the first n layers
+        inf = float("inf")
+        best = [[inf] * (num_layers + 1) for _ in range(pp_size + 1)]
+        choice = [[0] * (num_layers + 1) for _ in range(pp_size + 1)]
+        best[0][0] = 0.0
+        for s in range(1, pp_size + 1):
+            for n in range(s, num_layers - (pp_size - s) + 1):
+                for k in range(1, n - s + 2):  # stage s-1 takes k layers
+                    cost = stage_cost(s - 1, k)
+                    if cost > cap or best[s - 1][n - k] == inf:
+                        continue
+                    value = combine(best[s - 1][n - k], cost)
+                    if value < best[s][n]:
+                        best[s][n], choice[s][n] = value, k
+        partition, n = [], num_layers
+        for s in range(pp_size, 0, -1):
+            partition.append(choice[s][n])
+            n -= choice[s][n]
+        return partition[::-1]
+
+    bottleneck = max(stage_cost(s, k) for s, k in enumerate(solve(max, float("inf"))))
+    return solve(lambda total, cost: total + cost * cost, bottleneck * (1 + 1e-12))
 
 
 def default_partition(num_layers: int, pp_size: int) -> list[int]:
-    """Layer counts per stage under the default rule, e.g. (80, 6) -> [13, 13, 13, 14, 14, 13]."""
+    """Layer counts per stage under the seed's rule, e.g. (80, 6) -> [13, 13, 13, 14, 14, 13]."""
     _check_sizes(num_layers, pp_size)
     base, remainder = divmod(num_layers, pp_size)
     partition = [base] * pp_size
@@ -30,9 +120,26 @@ def default_partition(num_layers: int, pp_size: int) -> list[int]:
     return partition
 
 
-def partition_layers(num_layers: int, pp_size: int, override: str | None = None) -> list[int]:
+def partition_layers(
+    num_layers: int,
+    pp_size: int,
+    override: str | None = None,
+    rule: str = "seed",
+    costs: StageCosts | None = None,
+) -> list[int]:
     """Layer counts per stage: `override` ("a,b,...", from PPRING_LAYER_PARTITION) if given,
-    else the default rule. An uneven result is logged with the throughput it costs."""
+    else `rule` ("cost" needs `costs`). An uneven result is logged with the throughput it
+    costs."""
+    if rule not in PARTITION_RULES:
+        raise ConfigError(f"--partition-rule {rule} is not known; use one of {PARTITION_RULES}")
+    if (override is None or not override.strip()) and rule == "cost" and costs is not None:
+        partition = cost_partition(num_layers, pp_size, costs)
+        if pp_size > 1:
+            shares = ", ".join(f"{100 * x:.0f}%" for x in costs.shares(partition))
+            logger.info(
+                "layers partitioned by cost over %d stages: %s (%s)", pp_size, partition, shares
+            )
+        return partition
     if override is None or not override.strip():
         partition = default_partition(num_layers, pp_size)
     else:
@@ -50,9 +157,17 @@ def partition_layers(num_layers: int, pp_size: int, override: str | None = None)
     return partition
 
 
-def partition_from_env(num_layers: int, pp_size: int) -> list[int]:
+def partition_from_env(
+    num_layers: int, pp_size: int, rule: str = "seed", costs: StageCosts | None = None
+) -> list[int]:
     """`partition_layers` with the override read from the PPRING_LAYER_PARTITION variable."""
-    return partition_layers(num_layers, pp_size, os.environ.get(PARTITION_ENV))
+    return partition_layers(num_layers, pp_size, os.environ.get(PARTITION_ENV), rule, costs)
+
+
+def partition_for_model(config: ModelConfig, pp_size: int, rule: str = "cost") -> list[int]:
+    """The split every stage of a ring over `config` computes alike: the override if set, else
+    `rule` with costs derived from the model's shape."""
+    return partition_from_env(config.num_layers, pp_size, rule, StageCosts.for_model(config))
 
 
 def parse_partition(text: str, num_layers: int, pp_size: int) -> list[int]:

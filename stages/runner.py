@@ -24,12 +24,16 @@ from pathlib import Path
 import torch
 
 from protocol.sampling import SamplingParams
+from stages import native
+from stages.attention import choose_attention
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
+from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.llama import LlamaStage
-from stages.partition import layer_range, partition_from_env, partition_layers
+from stages.linear import check_quantization
+from stages.llama import Kind, LlamaStage
+from stages.partition import layer_range, partition_for_model, partition_layers
 from stages.sampler import GREEDY, sample
 from stages.weights import load_stage_weights, to_torch_dtype
 
@@ -129,6 +133,7 @@ class StageRunner(Stage):
         device: str | torch.device = "cpu",
         rank: int | None = None,
         num_threads: int | None = None,
+        quantization: str = "none",
     ) -> None:
         if num_threads is not None:
             # One stage per process: stages sharing a host must split its cores, or their
@@ -141,18 +146,36 @@ class StageRunner(Stage):
                 f"{self.config.num_layers} layers"
             )
         self.start_layer, self.end_layer = start_layer, end_layer
-        self.dtype = to_torch_dtype(dtype)
         self.device = torch.device(device)
+        if isinstance(dtype, str) and dtype == "auto":
+            self.dtype = resolve_dtype("auto", self.device, self.config.torch_dtype).dtype
+        else:
+            self.dtype = to_torch_dtype(dtype)
         self.log_prefix = f"[pp{rank}]" if rank is not None else f"[L{start_layer}-{end_layer}]"
+        kernels = None
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            kernels = native.kernels()
+        check_quantization(quantization, self.device, kernels, native.unavailable_reason())
+        self.quantization = quantization
         weights = load_stage_weights(
             model_dir, self.config, start_layer, end_layer, self.dtype, self.device
         )
         self.num_tensors_read = weights.num_tensors_read
-        self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer)
+        kind = Kind.for_device(self.device, kernels, quantization)
+        self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer, kind)
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
         # What `run` does with the layers' output is fixed by the role, chosen once here.
         self._finish = self._sample if self.is_last_stage else self._hand_on
+        self.attention, attention_reason = choose_attention(self.device, self.dtype)
+        logger.info(
+            "%s attention: %s, %s; small ops: %s; weights: %s",
+            self.log_prefix,
+            self.attention,
+            attention_reason,
+            kind.ops.name,
+            "int8 (per-channel scales)" if quantization == "int8" else "unquantized",
+        )
         self._num_kv_blocks = num_blocks_for_budget(
             self.config, self.num_local_layers, kv_budget_bytes, self.dtype
         )
@@ -184,12 +207,15 @@ class StageRunner(Stage):
         dtype: str | torch.dtype = "float32",
         device: str | torch.device = "cpu",
         num_threads: int | None = None,
+        quantization: str = "none",
+        partition_rule: str = "cost",
     ) -> StageRunner:
         """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
-        else the default rule."""
-        num_layers = ModelConfig.from_folder(model_dir).num_layers
+        else `partition_rule` (stages/partition.py)."""
+        config = ModelConfig.from_folder(model_dir)
+        num_layers = config.num_layers
         if partition is None:
-            partition = partition_from_env(num_layers, pp_size)
+            partition = partition_for_model(config, pp_size, partition_rule)
         else:
             partition = partition_layers(num_layers, pp_size, ",".join(map(str, partition)))
         start, end = layer_range(partition, rank)
@@ -202,6 +228,7 @@ class StageRunner(Stage):
             device=device,
             rank=rank,
             num_threads=num_threads,
+            quantization=quantization,
         )
 
     @property
@@ -210,8 +237,11 @@ class StageRunner(Stage):
 
     @property
     def parameter_bytes(self) -> int:
-        """Bytes of weights this stage holds (a tied embedding counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights this stage holds (a tied embedding counted once; int8 weights with
+        their scales)."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [t for t in tensors if t is not self.model.inv_freq]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -271,7 +301,7 @@ class StageRunner(Stage):
     ) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor]:
         if self.kv is None:
             raise RuntimeError(f"{self.log_prefix} has no KV cache; call allocate_kv first")
-        inputs = build_inputs(chunks, self.device)
+        inputs = build_inputs(chunks, self.device, self.attention)
         with torch.inference_mode():
             h, residual = self.model(inputs, self.kv, hidden_states, residual)
         return inputs, h, residual

@@ -56,6 +56,13 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
         assert row["of_bound"] == pytest.approx(row["bound_ms"] / row["step_ms"], abs=2e-3)
         # 20 context tokens, 3 warm-up steps, then the median of 3 timed steps (the 2nd).
         assert row["kv_read_bytes"] == row["batch"] * 24 * result["kv_bytes_per_token"]
+        # The compute floor: the faster matmul pass plus the KV bytes over the bandwidth.
+        fastest = min(row["matmuls_ms"], row["f_linear_ms"])
+        assert row["floor_ms"] == pytest.approx(fastest + row["kv_ms"], abs=2e-3)
+        assert row["over_floor"] == pytest.approx(row["step_ms"] / row["floor_ms"], rel=1e-2)
+        assert row["over_weights_bound"] == pytest.approx(
+            row["step_ms"] / row["bound_weights_ms"], rel=1e-2
+        )
 
 
 def test_bench_step_refuses_bad_arguments(capsys):

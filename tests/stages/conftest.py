@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from protocol.sampling import SamplingParams
+from stages import native
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.partition import layer_range
 from stages.runner import StageRunner
@@ -45,6 +46,23 @@ def _offline_hub() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         yield
+
+
+def without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stages built from here on take the torch path, as on a CPU with no C compiler."""
+    monkeypatch.setattr(native, "kernels", lambda: None)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "they are turned off by the test")
+
+
+@pytest.fixture(params=["native", "torch"])
+def stage_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a CPU stage computes: with ppring's CPU kernels (which must build here: CI has
+    gcc) and without them."""
+    if request.param == "native":
+        assert native.kernels() is not None, native.unavailable_reason()
+    else:
+        without_native_kernels(monkeypatch)
+    return request.param
 
 
 @pytest.fixture(scope="session")

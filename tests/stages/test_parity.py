@@ -1,5 +1,6 @@
 """Chained stages give transformers' logits: prefill, chunked prefill and paged decode, for
-S = 1..4 and an override split, in batches that mix requests of different lengths."""
+S = 1..4 and an override split, in batches that mix requests of different lengths, on both
+paths a CPU stage can take (`stage_path`: ppring's CPU kernels, or torch alone)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from stages.partition import partition_from_env
-from tests.stages.conftest import Chain, drive_teacher_forced, hf_logits
+from tests.stages.conftest import Chain, drive_teacher_forced, hf_logits, without_native_kernels
 
 TOLERANCE = 1e-4  # max abs logit difference, fp32
 
@@ -52,7 +53,11 @@ def assert_matches_hf(folder: Path, seqs: list[list[int]], logits: list[torch.Te
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("model", MODELS)
 def test_prefill_batch_matches_transformers(
-    tiny_dirs: dict[str, Path], model: str, split: str, monkeypatch: pytest.MonkeyPatch
+    tiny_dirs: dict[str, Path],
+    model: str,
+    split: str,
+    stage_path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     folder = tiny_dirs[model]
     chain = Chain(folder, make_partition(split, monkeypatch))
@@ -64,7 +69,11 @@ def test_prefill_batch_matches_transformers(
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("model", MODELS)
 def test_chunked_prefill_mixed_with_decodes_matches_transformers(
-    tiny_dirs: dict[str, Path], model: str, split: str, monkeypatch: pytest.MonkeyPatch
+    tiny_dirs: dict[str, Path],
+    model: str,
+    split: str,
+    stage_path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Prompts arrive one step apart and are fed 8 tokens at a time, so most steps mix prefill
     # chunks that have earlier context with other requests' single-token decodes.
@@ -79,7 +88,11 @@ def test_chunked_prefill_mixed_with_decodes_matches_transformers(
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("model", MODELS)
 def test_32_paged_decode_steps_match_transformers(
-    tiny_dirs: dict[str, Path], model: str, split: str, monkeypatch: pytest.MonkeyPatch
+    tiny_dirs: dict[str, Path],
+    model: str,
+    split: str,
+    stage_path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     folder = tiny_dirs[model]
     chain = Chain(folder, make_partition(split, monkeypatch))
@@ -91,7 +104,9 @@ def test_32_paged_decode_steps_match_transformers(
 
 
 @pytest.mark.parametrize("model", ["linear", "mqa"])
-def test_other_variants_match_transformers(tiny_dirs: dict[str, Path], model: str) -> None:
+def test_other_variants_match_transformers(
+    tiny_dirs: dict[str, Path], model: str, stage_path: str
+) -> None:
     folder = tiny_dirs[model]
     chain = Chain(folder, [2, 2])
     prompt_lens = [30, 12, 3]
@@ -115,16 +130,15 @@ def test_bfloat16_stays_close_to_transformers(tiny_dirs: dict[str, Path]) -> Non
 def test_the_gpu_layout_matches_transformers_on_the_cpu(
     tiny_dirs: dict[str, Path], model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a GPU stage runs (fused [q+k+v] and [gate+up] matmuls, every decode in one padded
+    """What a GPU stage runs (torch ops, K/V gathered for SDPA, every decode in one padded
     group), forced on the CPU so CI checks it too."""
     import stages.inputs
-    import stages.llama
 
-    monkeypatch.setattr(stages.llama, "fuse_projections", lambda device: True)
+    without_native_kernels(monkeypatch)
     monkeypatch.setattr(stages.inputs, "group_decodes_by_length", lambda device: False)
     folder = tiny_dirs[model]
     chain = Chain(folder, [2, 2])
-    assert all(layer.fused for stage in chain.stages for layer in stage.model.layers)
+    assert all(stage.attention == "gather" for stage in chain.stages)
     prompt_lens = [60, 5, 31, 12]  # decodes of very different lengths share steps
     seqs = random_seqs([n + 10 for n in prompt_lens], seed=9)
     logits = drive_teacher_forced(chain, seqs, prompt_lens, chunk_size=8, stagger=1)

@@ -1,0 +1,852 @@
+/* ppring's CPU kernels: attention that reads the paged KV cache in place, and the matrix-vector
+ * products of a small decode batch (fp32 and weight-only int8).
+ *
+ * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
+ * ctypes with the data pointers of contiguous tensors; nothing here allocates a tensor or holds a
+ * pointer past the call. The OpenMP runtime is the one torch already loaded (same soname), so
+ * these loops share torch's thread pool and thread count instead of fighting it for the cores.
+ *
+ * Shapes (row-major, contiguous):
+ *   q, out     [T, H, D]             this forward's queries (RoPE applied) and the result
+ *   kv         [2, slots, Hkv, D]    one layer's cache: K at 0, V at slots * Hkv * D
+ *   block table [num_seqs, table_stride] int32; slot of position p: table[p / 16] * 16 + p % 16
+ * Sequence s owns query rows [q_start[s], q_start[s] + q_len[s]); its context is ctx_len[s] keys
+ * (its new tokens included, already written), and query i sits at position ctx_len - q_len + i:
+ * it sees keys 0..that position (causal, aligned bottom-right). A decode is q_len == 1.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PAGE 16 /* tokens per KV block: stages.batch.BLOCK_SIZE (checked by native.py) */
+#define MAX_TILE_ROWS 128 /* query vectors (rows x heads of one KV group) one task holds */
+
+int ppr_block_size(void) { return PAGE; }
+
+static inline float bf16_load(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max), vectorizable: Cephes' expf (range reduction
+ * by ln 2 and a degree-6 polynomial, about 1 ulp). libm's expf is a scalar call, and a decode
+ * step takes hundreds of thousands of them. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+/* One query row against one page of 16 keys: the scores of keys [0, lim), then the online
+ * softmax update of the row's running max m, sum l and output acc [D]. kp and vp point at the
+ * page's first key and value row of this KV head; rows are kstride floats apart; qr is the
+ * query, already scaled by 1/sqrt(D). */
+static inline void row_page_generic(const float *qr, const float *kp, const float *vp,
+                                    int64_t kstride, int lim, int D, float *m, float *l,
+                                    float *acc) {
+    float s[PAGE];
+    float page_max = -INFINITY;
+    for (int j = 0; j < lim; j++) {
+        const float *kj = kp + j * kstride;
+        float dot = 0.0f;
+        for (int d = 0; d < D; d++) dot += qr[d] * kj[d];
+        s[j] = dot;
+        page_max = dot > page_max ? dot : page_max;
+    }
+    if (page_max > *m) {
+        /* exp(-inf) is 0: the first page rescales nothing that was not zero already */
+        const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - page_max);
+        *l *= correction;
+        for (int d = 0; d < D; d++) acc[d] *= correction;
+        *m = page_max;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < lim; j++) {
+        s[j] = exp_nonpositive(s[j] - *m);
+        sum += s[j];
+    }
+    *l += sum;
+    for (int j = 0; j < lim; j++)
+        for (int d = 0; d < D; d++) acc[d] += s[j] * vp[j * kstride + d];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_ATTENTION
+
+/* exp_nonpositive on eight lanes */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
+                                   _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* the eight sums of a0..a7, as one vector */
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                             __m256 a6, __m256 a7) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* row_page_generic for D a multiple of 8. Keys are scored eight at a time (eight independent
+ * sums, reduced together), up to nk8 = lim rounded up to 8, which stays inside the page; the
+ * scores of keys at or past lim are replaced by -inf and their weights by 0 (whatever those
+ * slots hold is never used). */
+static inline void row_page_avx2(const float *qr, const float *kp, const float *vp,
+                                 int64_t kstride, int lim, int D, float *m, float *l,
+                                 float *acc) {
+    const int nk8 = (lim + 7) & ~7;
+    __m256 sc[2], valid[2];
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int b = 0; b < 2; b++) {
+        valid[b] = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(lim - 8 * b), lane));
+        sc[b] = _mm256_set1_ps(-INFINITY);
+        if (8 * b >= nk8) continue;
+        const float *k = kp + 8 * b * kstride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+               a7 = a0;
+        for (int d = 0; d < D; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(qr + d);
+            a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+            a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + kstride + d), a1);
+            a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * kstride + d), a2);
+            a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * kstride + d), a3);
+            a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * kstride + d), a4);
+            a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * kstride + d), a5);
+            a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * kstride + d), a6);
+            a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * kstride + d), a7);
+        }
+        sc[b] = _mm256_blendv_ps(sc[b], hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7), valid[b]);
+    }
+    const float page_max = hmax8(_mm256_max_ps(sc[0], sc[1]));
+    if (page_max > *m) {
+        const float correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - page_max);
+        *l *= correction;
+        const __m256 c = _mm256_set1_ps(correction);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), c));
+        *m = page_max;
+    }
+    const __m256 mv = _mm256_set1_ps(*m);
+    const __m256 p0 = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(sc[0], mv)), valid[0]);
+    const __m256 p1 = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(sc[1], mv)), valid[1]);
+    *l += hsum8(_mm256_add_ps(p0, p1));
+    float p[PAGE];
+    _mm256_storeu_ps(p, p0);
+    _mm256_storeu_ps(p + 8, p1);
+    int d = 0;
+    for (; d + 64 <= D; d += 64) { /* eight accumulators in registers across the page */
+        __m256 o0 = _mm256_loadu_ps(acc + d), o1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 o2 = _mm256_loadu_ps(acc + d + 16), o3 = _mm256_loadu_ps(acc + d + 24);
+        __m256 o4 = _mm256_loadu_ps(acc + d + 32), o5 = _mm256_loadu_ps(acc + d + 40);
+        __m256 o6 = _mm256_loadu_ps(acc + d + 48), o7 = _mm256_loadu_ps(acc + d + 56);
+        for (int j = 0; j < lim; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *v = vp + j * kstride + d;
+            o0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), o0);
+            o1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), o1);
+            o2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), o2);
+            o3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), o3);
+            o4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), o4);
+            o5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), o5);
+            o6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), o6);
+            o7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), o7);
+        }
+        _mm256_storeu_ps(acc + d, o0), _mm256_storeu_ps(acc + d + 8, o1);
+        _mm256_storeu_ps(acc + d + 16, o2), _mm256_storeu_ps(acc + d + 24, o3);
+        _mm256_storeu_ps(acc + d + 32, o4), _mm256_storeu_ps(acc + d + 40, o5);
+        _mm256_storeu_ps(acc + d + 48, o6), _mm256_storeu_ps(acc + d + 56, o7);
+    }
+    for (; d < D; d += 8) {
+        __m256 o = _mm256_loadu_ps(acc + d);
+        for (int j = 0; j < lim; j++)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vp + j * kstride + d), o);
+        _mm256_storeu_ps(acc + d, o);
+    }
+}
+#endif
+
+/* One task: query rows [row0, row0 + nrows) of one sequence, for the query heads of KV heads
+ * [g0, g1). Online softmax over the context, one 16-key page at a time, in fp32. A page of the
+ * cache holds all KV heads of its 16 slots back to back (16 * Hkv * D values for K, the same
+ * for V), so a task over all heads reads it front to back, and the next page is prefetched. */
+typedef struct {
+    int seq, g0, g1, row0, nrows;
+} Task;
+
+/* The next page, into L2 (locality 2): its block can be anywhere, so the hardware prefetcher
+ * cannot guess it. Measured at 32 decodes of context 512 (one SmolLM2 layer, fp32): no
+ * prefetch 1.04-1.32 ms, into L1 1.16-1.28, into L2 0.95-0.97, two pages ahead 0.97-1.03. */
+static inline void prefetch_page(const char *k, const char *v, int64_t row_bytes,
+                                 int64_t span_bytes) {
+    for (int j = 0; j < PAGE; j++)
+        for (int64_t b = 0; b < span_bytes; b += 64) {
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
+            __builtin_prefetch(k + j * row_bytes + b, 0, PF_LOC);
+            __builtin_prefetch(v + j * row_bytes + b, 0, PF_LOC);
+        }
+}
+
+static void attend_task(const Task *task, int elem_bytes, const void *q, const void *kv,
+                        void *out, const int32_t *q_start, const int32_t *q_len,
+                        const int32_t *ctx_len, const int32_t *table, int table_stride,
+                        int64_t num_slots, int H, int Hkv, int D, float scale, float *scratch) {
+    const int G = H / Hkv;
+    const int num_groups = task->g1 - task->g0;
+    const int R = task->nrows * num_groups * G; /* query vectors: r = (i * groups + g) * G + h */
+    float *qv = scratch;                          /* [R, D] */
+    float *acc = qv + R * D;                      /* [R, D] */
+    float *kbuf = acc + R * D;                    /* [PAGE, D] (bf16 pages, converted) */
+    float *vbuf = kbuf + PAGE * D;                /* [PAGE, D] */
+    float m[MAX_TILE_ROWS], l[MAX_TILE_ROWS];
+    int pos[MAX_TILE_ROWS];
+    const int s_idx = task->seq;
+    const int first_pos = ctx_len[s_idx] - q_len[s_idx];
+    const int64_t row_stride = (int64_t)Hkv * D; /* elements between consecutive slots */
+    const int64_t v_offset = num_slots * row_stride;
+    const int32_t *blocks = table + (int64_t)s_idx * table_stride;
+#ifdef HAVE_AVX2_ATTENTION
+    const int use_avx2 = D % 8 == 0;
+#endif
+
+    for (int i = 0; i < task->nrows; i++) {
+        int64_t t = q_start[s_idx] + task->row0 + i;
+        for (int gh = 0; gh < num_groups * G; gh++) {
+            int r = i * num_groups * G + gh;
+            int64_t off = (t * H + (int64_t)task->g0 * G + gh) * D;
+            if (elem_bytes == 4) {
+                const float *src = (const float *)q + off;
+                for (int d = 0; d < D; d++) qv[r * D + d] = src[d] * scale;
+            } else {
+                const uint16_t *src = (const uint16_t *)q + off;
+                for (int d = 0; d < D; d++) qv[r * D + d] = bf16_load(src[d]) * scale;
+            }
+            memset(acc + r * D, 0, sizeof(float) * D);
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+            pos[r] = first_pos + task->row0 + i;
+        }
+    }
+    const int last_pos = first_pos + task->row0 + task->nrows - 1;
+    const int num_pages = last_pos / PAGE + 1;
+    const int64_t row_bytes = row_stride * elem_bytes;
+    const int64_t span_bytes = (int64_t)num_groups * D * elem_bytes;
+    for (int page = 0; page < num_pages; page++) {
+        const int key0 = page * PAGE;
+        const int nk = last_pos + 1 - key0 < PAGE ? last_pos + 1 - key0 : PAGE;
+#ifndef PF_AHEAD
+#define PF_AHEAD 1
+#endif
+        if (PF_AHEAD > 0 && page + PF_AHEAD < num_pages) {
+            const char *next = (const char *)kv +
+                ((int64_t)blocks[page + PF_AHEAD] * PAGE * Hkv + task->g0) * D * elem_bytes;
+            prefetch_page(next, next + v_offset * elem_bytes, row_bytes, span_bytes);
+        }
+        for (int g = task->g0; g < task->g1; g++) {
+            const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
+            const float *kp, *vp;
+            int64_t kstride;
+            if (elem_bytes == 4) {
+                kp = (const float *)kv + base;
+                vp = kp + v_offset;
+                kstride = row_stride;
+            } else {
+                /* every row of the page, so the eight-key blocks may read past nk */
+                const uint16_t *kb = (const uint16_t *)kv + base;
+                for (int j = 0; j < PAGE; j++)
+                    for (int d = 0; d < D; d++) {
+                        kbuf[j * D + d] = bf16_load(kb[j * row_stride + d]);
+                        vbuf[j * D + d] = bf16_load(kb[v_offset + j * row_stride + d]);
+                    }
+                kp = kbuf;
+                vp = vbuf;
+                kstride = D;
+            }
+            for (int i = 0; i < task->nrows; i++)
+                for (int h = 0; h < G; h++) {
+                    const int r = (i * num_groups + (g - task->g0)) * G + h;
+                    int lim = pos[r] + 1 - key0; /* keys of this page this query sees */
+                    if (lim <= 0) continue;
+                    if (lim > nk) lim = nk;
+#ifdef HAVE_AVX2_ATTENTION
+                    if (use_avx2) {
+                        row_page_avx2(qv + r * D, kp, vp, kstride, lim, D, &m[r], &l[r],
+                                      acc + r * D);
+                        continue;
+                    }
+#endif
+                    row_page_generic(qv + r * D, kp, vp, kstride, lim, D, &m[r], &l[r],
+                                     acc + r * D);
+                }
+        }
+    }
+    for (int i = 0; i < task->nrows; i++) {
+        int64_t t = q_start[s_idx] + task->row0 + i;
+        for (int gh = 0; gh < num_groups * G; gh++) {
+            int r = i * num_groups * G + gh;
+            int64_t off = (t * H + (int64_t)task->g0 * G + gh) * D;
+            const float inv = 1.0f / l[r];
+            if (elem_bytes == 4) {
+                float *dst = (float *)out + off;
+                for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+            } else {
+                uint16_t *dst = (uint16_t *)out + off;
+                for (int d = 0; d < D; d++) dst[d] = bf16_store(acc[r * D + d] * inv);
+            }
+        }
+    }
+}
+
+/* Attention of every query row in a packed batch over its sequence's paged context.
+ * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
+ * multiple of Hkv or scratch cannot be allocated. */
+int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
+                        const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                        const int32_t *table, int table_stride, int64_t num_slots, int H, int Hkv,
+                        int D, float scale) {
+    if (Hkv <= 0 || H % Hkv != 0 || (elem_bytes != 4 && elem_bytes != 2)) return -1;
+    const int G = H / Hkv;
+    if (G > MAX_TILE_ROWS) return -1;
+    /* A task holds up to MAX_TILE_ROWS query vectors. All KV heads in one task read each page
+     * front to back; with few sequences (a single stream) the heads are split instead, so every
+     * thread has work. */
+    const int num_threads = omp_get_max_threads();
+    int row_tiles = 0;
+    for (int s = 0; s < num_seqs; s++) row_tiles += q_len[s];
+    int groups_per_task = MAX_TILE_ROWS / G;
+    if (groups_per_task > Hkv) groups_per_task = Hkv;
+    if (num_seqs < 2 * num_threads && row_tiles < 4 * num_threads) groups_per_task = 1;
+    int rows_per_task = MAX_TILE_ROWS / (G * groups_per_task);
+    if (rows_per_task < 1) rows_per_task = 1;
+    const int tasks_per_tile = (Hkv + groups_per_task - 1) / groups_per_task;
+    int num_tasks = 0;
+    for (int s = 0; s < num_seqs; s++)
+        num_tasks += tasks_per_tile * ((q_len[s] + rows_per_task - 1) / rows_per_task);
+    Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    if (!tasks) return -1;
+    int n = 0;
+    for (int s = 0; s < num_seqs; s++)
+        for (int row0 = 0; row0 < q_len[s]; row0 += rows_per_task)
+            for (int g0 = 0; g0 < Hkv; g0 += groups_per_task) {
+                int rows = q_len[s] - row0 < rows_per_task ? q_len[s] - row0 : rows_per_task;
+                int g1 = g0 + groups_per_task < Hkv ? g0 + groups_per_task : Hkv;
+                tasks[n++] = (Task){s, g0, g1, row0, rows};
+            }
+    const size_t scratch_floats = (size_t)2 * MAX_TILE_ROWS * D + 2 * PAGE * D;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = malloc(sizeof(float) * scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* dynamic: a prefill task costs many times a decode task */
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < num_tasks; i++)
+            if (scratch)
+                attend_task(&tasks[i], elem_bytes, q, kv, out, q_start, q_len, ctx_len, table,
+                            table_stride, num_slots, H, Hkv, D, scale, scratch);
+        free(scratch);
+    }
+    free(tasks);
+    return failed ? -1 : 0;
+}
+
+/* Streaming weights from memory is the whole cost of a small batch, and the hardware
+ * prefetcher alone left much of the bandwidth unused (a core streamed int8 rows at 7 GB/s and
+ * fp32 rows at 13 GB/s; with the next quad prefetched, 13 and 17 GB/s; two or more quads
+ * ahead was slower again, measured on the 2-core EPYC). */
+static inline void prefetch_next_quad(const void *w, int quad, int num_quads, int64_t quad_bytes) {
+    if (quad + 1 >= num_quads) return;
+    const char *p = (const char *)w + (int64_t)(quad + 1) * quad_bytes;
+    for (int64_t b = 0; b < quad_bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+/* Four dot products of x [K] with four weight rows, in four independent sums: one sum alone is
+ * a chain of dependent FMAs, bound by their latency rather than by memory. With AVX2 they are
+ * written out by hand: gcc's vectorized reductions widen int8 to 32 lanes and spill. */
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* One input row against one weight row, four sums of eight lanes: for a single input the
+ * weights are then read as one sequential stream per thread, which the hardware prefetcher
+ * follows at full speed (27 GB/s a core here); reading four rows side by side did not (13). */
+static inline float dot1_f32(const float *x, const float *w, int K) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
+    }
+    for (; k + 8 <= K; k += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
+    float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; k < K; k++) sum += x[k] * w[k];
+    return sum;
+}
+#define HAVE_DOT1_F32
+
+#define DOT4_AVX2(WTYPE, NAME, LOAD8)                                                          \
+    static inline void NAME(const float *x, const WTYPE *w0, const WTYPE *w1, const WTYPE *w2, \
+                            const WTYPE *w3, int K, float out[4]) {                            \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+        int k = 0;                                                                             \
+        for (; k + 8 <= K; k += 8) {                                                           \
+            const __m256 xk = _mm256_loadu_ps(x + k);                                          \
+            a0 = _mm256_fmadd_ps(xk, LOAD8(w0 + k), a0);                                       \
+            a1 = _mm256_fmadd_ps(xk, LOAD8(w1 + k), a1);                                       \
+            a2 = _mm256_fmadd_ps(xk, LOAD8(w2 + k), a2);                                       \
+            a3 = _mm256_fmadd_ps(xk, LOAD8(w3 + k), a3);                                       \
+        }                                                                                      \
+        _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));                                             \
+        for (; k < K; k++) {                                                                   \
+            out[0] += x[k] * (float)w0[k], out[1] += x[k] * (float)w1[k];                      \
+            out[2] += x[k] * (float)w2[k], out[3] += x[k] * (float)w3[k];                      \
+        }                                                                                      \
+    }
+DOT4_AVX2(float, dot4_f32, _mm256_loadu_ps)
+
+/* Two inputs by four weight rows: eight sums, each weight vector loaded once for both inputs
+ * and each input vector once for the four rows (6 loads per 8 FMAs). */
+#define DOT2X4_AVX2(WTYPE, NAME, LOAD8)                                                        \
+    static inline void NAME(const float *x0, const float *x1, const WTYPE *w0,                 \
+                            const WTYPE *w1, const WTYPE *w2, const WTYPE *w3, int K,          \
+                            float out0[4], float out1[4]) {                                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                             \
+        int k = 0;                                                                             \
+        for (; k + 8 <= K; k += 8) {                                                           \
+            const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);             \
+            __m256 w = LOAD8(w0 + k);                                                          \
+            a0 = _mm256_fmadd_ps(u, w, a0), b0 = _mm256_fmadd_ps(v, w, b0);                    \
+            w = LOAD8(w1 + k);                                                                 \
+            a1 = _mm256_fmadd_ps(u, w, a1), b1 = _mm256_fmadd_ps(v, w, b1);                    \
+            w = LOAD8(w2 + k);                                                                 \
+            a2 = _mm256_fmadd_ps(u, w, a2), b2 = _mm256_fmadd_ps(v, w, b2);                    \
+            w = LOAD8(w3 + k);                                                                 \
+            a3 = _mm256_fmadd_ps(u, w, a3), b3 = _mm256_fmadd_ps(v, w, b3);                    \
+        }                                                                                      \
+        _mm_storeu_ps(out0, hsum4(a0, a1, a2, a3));                                            \
+        _mm_storeu_ps(out1, hsum4(b0, b1, b2, b3));                                            \
+        for (; k < K; k++) {                                                                   \
+            out0[0] += x0[k] * (float)w0[k], out0[1] += x0[k] * (float)w1[k];                  \
+            out0[2] += x0[k] * (float)w2[k], out0[3] += x0[k] * (float)w3[k];                  \
+            out1[0] += x1[k] * (float)w0[k], out1[1] += x1[k] * (float)w1[k];                  \
+            out1[2] += x1[k] * (float)w2[k], out1[3] += x1[k] * (float)w3[k];                  \
+        }                                                                                      \
+    }
+DOT2X4_AVX2(float, dot2x4_f32, _mm256_loadu_ps)
+
+/* int8 weights against int16 activations: vpmaddwd multiplies 16 pairs and adds neighbours
+ * into 8 int32 lanes, a third of the instructions of widening int8 to fp32 for an FMA. The
+ * int32 sums are moved into fp32 every I8_FLUSH steps of 16 (|sum| < 2^31 holds for
+ * 64 * 16 * 127 * 32767). */
+#define I8_FLUSH 64
+static inline __m256i load16_i8(const int8_t *p) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+
+static void dot_i8_q16(int num_x, const int16_t *const *xs, const int8_t *w0, const int8_t *w1,
+                       const int8_t *w2, const int8_t *w3, int K, float out[][4]) {
+    /* num_x is 1 or 2: rows of x sharing each loaded weight vector */
+    __m256 f[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) f[i][j] = _mm256_setzero_ps();
+    const int16_t *x0 = xs[0], *x1 = xs[num_x - 1];
+    int k = 0;
+    const int K16 = K / 16 * 16;
+    while (k < K16) {
+        const int end = k + 16 * I8_FLUSH < K16 ? k + 16 * I8_FLUSH : K16;
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        if (num_x == 2) {
+            for (; k < end; k += 16) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(x0 + k));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(x1 + k));
+                __m256i w = load16_i8(w0 + k);
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u, w));
+                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(v, w));
+                w = load16_i8(w1 + k);
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u, w));
+                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(v, w));
+                w = load16_i8(w2 + k);
+                a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(u, w));
+                b2 = _mm256_add_epi32(b2, _mm256_madd_epi16(v, w));
+                w = load16_i8(w3 + k);
+                a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(u, w));
+                b3 = _mm256_add_epi32(b3, _mm256_madd_epi16(v, w));
+            }
+        } else {
+            for (; k < end; k += 16) {
+                const __m256i u = _mm256_loadu_si256((const __m256i *)(x0 + k));
+                a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u, load16_i8(w0 + k)));
+                a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u, load16_i8(w1 + k)));
+                a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(u, load16_i8(w2 + k)));
+                a3 = _mm256_add_epi32(a3, _mm256_madd_epi16(u, load16_i8(w3 + k)));
+            }
+        }
+        f[0][0] = _mm256_add_ps(f[0][0], _mm256_cvtepi32_ps(a0));
+        f[0][1] = _mm256_add_ps(f[0][1], _mm256_cvtepi32_ps(a1));
+        f[0][2] = _mm256_add_ps(f[0][2], _mm256_cvtepi32_ps(a2));
+        f[0][3] = _mm256_add_ps(f[0][3], _mm256_cvtepi32_ps(a3));
+        f[1][0] = _mm256_add_ps(f[1][0], _mm256_cvtepi32_ps(b0));
+        f[1][1] = _mm256_add_ps(f[1][1], _mm256_cvtepi32_ps(b1));
+        f[1][2] = _mm256_add_ps(f[1][2], _mm256_cvtepi32_ps(b2));
+        f[1][3] = _mm256_add_ps(f[1][3], _mm256_cvtepi32_ps(b3));
+    }
+    for (int i = 0; i < num_x; i++) {
+        _mm_storeu_ps(out[i], hsum4(f[i][0], f[i][1], f[i][2], f[i][3]));
+        const int16_t *x = xs[i];
+        for (int kk = K16; kk < K; kk++) {
+            out[i][0] += (float)(x[kk] * w0[kk]), out[i][1] += (float)(x[kk] * w1[kk]);
+            out[i][2] += (float)(x[kk] * w2[kk]), out[i][3] += (float)(x[kk] * w3[kk]);
+        }
+    }
+}
+
+/* One int16 input row against one int8 weight row, read as one sequential stream. */
+static inline float dot1_i8_q16(const int16_t *x, const int8_t *w, int K) {
+    __m256 f = _mm256_setzero_ps();
+    const int K32 = K / 32 * 32;
+    int k = 0;
+    while (k < K32) {
+        const int end = k + 32 * I8_FLUSH < K32 ? k + 32 * I8_FLUSH : K32;
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+        for (; k < end; k += 32) {
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(
+                _mm256_loadu_si256((const __m256i *)(x + k)), load16_i8(w + k)));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(
+                _mm256_loadu_si256((const __m256i *)(x + k + 16)), load16_i8(w + k + 16)));
+        }
+        f = _mm256_add_ps(f, _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1)));
+    }
+    float sum = hsum8(f);
+    for (; k < K; k++) sum += (float)(x[k] * w[k]);
+    return sum;
+}
+
+/* y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N]: weight-only int8, one fp32 scale per output
+ * channel: a quarter of fp32's weight bytes, so a quarter of the single-stream step's reads.
+ * Each row of x is first rounded to int16 with its own scale (max |x| / 32767: a relative
+ * step of 2^-15 of the row's largest value, finer than bf16's 2^-8 mantissa), so the products
+ * run in integers; y = sum * x_scale * w_scale. */
+void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, int M, int N,
+                     int K) {
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
+    float *x_scale = malloc(sizeof(float) * (size_t)M);
+    if (!xq || !x_scale) {
+        free(xq);
+        free(x_scale);
+        for (int64_t i = 0; i < (int64_t)M * N; i++) y[i] = NAN; /* loud, never silent */
+        return;
+    }
+    for (int mi = 0; mi < M; mi++) {
+        const float *xm = x + (int64_t)mi * K;
+        float amax = 0.0f;
+        for (int k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+        x_scale[mi] = amax > 0.0f ? amax / 32767.0f : 1.0f;
+        const float inv = 1.0f / x_scale[mi];
+        for (int k = 0; k < K; k++) xq[(int64_t)mi * K + k] = (int16_t)lrintf(xm[k] * inv);
+    }
+    if (M == 1) {
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++)
+            y[n] = dot1_i8_q16(xq, w + (int64_t)n * K, K) * x_scale[0] * scale[n];
+        free(xq);
+        free(x_scale);
+        return;
+    }
+    const int num_quads = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int qd = 0; qd < num_quads; qd++) {
+        int n[4];
+        for (int i = 0; i < 4; i++) n[i] = 4 * qd + i < N ? 4 * qd + i : N - 1;
+        const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
+        prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K);
+        for (int mi = 0; mi < M; mi += 2) {
+            const int num_x = mi + 1 < M ? 2 : 1;
+            const int16_t *xs[2] = {xq + (int64_t)mi * K, xq + (int64_t)(mi + num_x - 1) * K};
+            float out[2][4];
+            dot_i8_q16(num_x, xs, w + (int64_t)n[0] * K, w + (int64_t)n[1] * K,
+                       w + (int64_t)n[2] * K, w + (int64_t)n[3] * K, K, out);
+            for (int j = 0; j < num_x; j++)
+                for (int i = 0; i < rows; i++)
+                    y[(int64_t)(mi + j) * N + n[i]] = out[j][i] * x_scale[mi + j] * scale[n[i]];
+        }
+    }
+    free(xq);
+    free(x_scale);
+}
+#define HAVE_INT8_LINEAR
+
+#else /* portable C: the compiler vectorizes what it can */
+#define DOT4(WTYPE, NAME)                                                                      \
+    static inline void NAME(const float *x, const WTYPE *w0, const WTYPE *w1, const WTYPE *w2, \
+                            const WTYPE *w3, int K, float out[4]) {                            \
+        float a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                  \
+        for (int k = 0; k < K; k++) {                                                          \
+            const float xk = x[k];                                                             \
+            a0 += xk * (float)w0[k];                                                           \
+            a1 += xk * (float)w1[k];                                                           \
+            a2 += xk * (float)w2[k];                                                           \
+            a3 += xk * (float)w3[k];                                                           \
+        }                                                                                      \
+        out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;                                    \
+    }
+DOT4(float, dot4_f32)
+DOT4(int8_t, dot4_i8)
+
+#define DOT2X4(WTYPE, NAME, DOT4NAME)                                                          \
+    static inline void NAME(const float *x0, const float *x1, const WTYPE *w0,                 \
+                            const WTYPE *w1, const WTYPE *w2, const WTYPE *w3, int K,          \
+                            float out0[4], float out1[4]) {                                    \
+        DOT4NAME(x0, w0, w1, w2, w3, K, out0);                                                 \
+        DOT4NAME(x1, w0, w1, w2, w3, K, out1);                                                 \
+    }
+DOT2X4(float, dot2x4_f32, dot4_f32)
+DOT2X4(int8_t, dot2x4_i8, dot4_i8)
+#endif
+
+/* y[M, N] = (x[M, K] @ W[N, K]^T) * scale[N] (scale NULL: 1), for weights in fp32 or int8 (one
+ * fp32 scale per output channel: weight-only int8). Threads split the output channels in quads
+ * of four weight rows; a quad (4 K values, in L1) is used for every input row, two at a time,
+ * so the weights are read from memory once per call whatever M is. */
+#define LINEAR(WTYPE, NAME, DOT1NAME, DOT4NAME, DOT2X4NAME)                                              \
+    void NAME(const float *x, const WTYPE *w, const float *scale, float *y, int M, int N,      \
+              int K) {                                                                         \
+        if (M == 1 && DOT1NAME != NULL) {                                                      \
+            _Pragma("omp parallel for schedule(static)") for (int n = 0; n < N; n++) {         \
+                const float s = scale ? scale[n] : 1.0f;                                       \
+                y[n] = DOT1NAME(x, w + (int64_t)n * K, K) * s;                                 \
+            }                                                                                  \
+            return;                                                                            \
+        }                                                                                      \
+        const int num_quads = (N + 3) / 4;                                                     \
+        _Pragma("omp parallel for schedule(static)") for (int qd = 0; qd < num_quads; qd++) {  \
+            int n[4];                                                                          \
+            for (int i = 0; i < 4; i++) n[i] = 4 * qd + i < N ? 4 * qd + i : N - 1;            \
+            const WTYPE *w0 = w + (int64_t)n[0] * K, *w1 = w + (int64_t)n[1] * K;              \
+            const WTYPE *w2 = w + (int64_t)n[2] * K, *w3 = w + (int64_t)n[3] * K;              \
+            float s[4];                                                                        \
+            for (int i = 0; i < 4; i++) s[i] = scale ? scale[n[i]] : 1.0f;                     \
+            const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;                                  \
+            prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K * sizeof(WTYPE));                   \
+            int mi = 0;                                                                        \
+            for (; mi + 2 <= M; mi += 2) {                                                     \
+                float o0[4], o1[4];                                                            \
+                DOT2X4NAME(x + (int64_t)mi * K, x + (int64_t)(mi + 1) * K, w0, w1, w2, w3, K,  \
+                           o0, o1);                                                            \
+                for (int i = 0; i < rows; i++) {                                               \
+                    y[(int64_t)mi * N + n[i]] = o0[i] * s[i];                                  \
+                    y[(int64_t)(mi + 1) * N + n[i]] = o1[i] * s[i];                            \
+                }                                                                              \
+            }                                                                                  \
+            if (mi < M) {                                                                      \
+                float o0[4];                                                                   \
+                DOT4NAME(x + (int64_t)mi * K, w0, w1, w2, w3, K, o0);                          \
+                for (int i = 0; i < rows; i++) y[(int64_t)mi * N + n[i]] = o0[i] * s[i];       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+#ifndef HAVE_DOT1_F32
+#define dot1_f32 NULL
+#endif
+LINEAR(float, ppr_linear_f32, dot1_f32, dot4_f32, dot2x4_f32)
+#ifndef HAVE_INT8_LINEAR
+LINEAR(int8_t, ppr_linear_int8, NULL, dot4_i8, dot2x4_i8)
+#endif
+
+/* ---- the small ops around the matmuls: one call each instead of five to ten torch ops ---- */
+
+/* residual_out = h + residual (or h, when residual is NULL: a stage's first layer), then
+ * x_out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight, rows [T, d]. The add is
+ * rounded to the dtype before the norm reads it, as torch's separate ops do; the norm's
+ * statistics are fp32 whatever the dtype, as transformers computes them. */
+void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const void *weight,
+                      void *residual_out, void *x_out, int T, int d, float eps) {
+#pragma omp parallel for schedule(static) if (T >= 8)
+    for (int t = 0; t < T; t++) {
+        const int64_t row = (int64_t)t * d;
+        float sum_sq = 0.0f;
+        if (elem_bytes == 4) {
+            const float *hr = (const float *)h + row;
+            const float *rr = residual ? (const float *)residual + row : NULL;
+            float *out = (float *)residual_out + row;
+            if (rr) {
+#pragma omp simd reduction(+ : sum_sq)
+                for (int i = 0; i < d; i++) {
+                    out[i] = hr[i] + rr[i];
+                    sum_sq += out[i] * out[i];
+                }
+            } else {
+#pragma omp simd reduction(+ : sum_sq)
+                for (int i = 0; i < d; i++) {
+                    out[i] = hr[i];
+                    sum_sq += out[i] * out[i];
+                }
+            }
+            const float inv = 1.0f / sqrtf(sum_sq / d + eps);
+            const float *w = (const float *)weight;
+            float *x = (float *)x_out + row;
+#pragma omp simd
+            for (int i = 0; i < d; i++) x[i] = out[i] * inv * w[i];
+        } else {
+            uint16_t *out = (uint16_t *)residual_out + row;
+            for (int i = 0; i < d; i++) {
+                float r = bf16_load(((const uint16_t *)h)[row + i]);
+                if (residual) r = bf16_load(bf16_store(r + bf16_load(((const uint16_t *)residual)[row + i])));
+                out[i] = bf16_store(r);
+                sum_sq += r * r;
+            }
+            const float inv = 1.0f / sqrtf(sum_sq / d + eps);
+            for (int i = 0; i < d; i++)
+                ((uint16_t *)x_out)[row + i] =
+                    bf16_store(bf16_load(out[i]) * inv * bf16_load(((const uint16_t *)weight)[i]));
+        }
+    }
+}
+
+/* RoPE (rotate-half) on q and k, and this step's K and V stored at their cache slots. q, k and v
+ * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
+ * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
+ * what attention reads); cos and signed sin are [T, D] fp32 (the sine's first half negated):
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. The rotation is computed in fp32 and
+ * rounded once to the dtype. */
+void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
+                    const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
+                    int H, int Hkv, int D) {
+    const int half = D / 2;
+    const int64_t v_offset = num_slots * Hkv * D;
+#pragma omp parallel for schedule(static) if (T >= 8)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < H + Hkv; h++) {
+            const int64_t src = (int64_t)t * row + (int64_t)h * D; /* q heads, then k heads */
+            const int64_t dst = h < H ? ((int64_t)t * H + h) * D : (slots[t] * Hkv + h - H) * D;
+            void *out = h < H ? q_out : kv;
+            if (elem_bytes == 4) {
+                const float *x = (const float *)qkv + src;
+                float *o = (float *)out + dst;
+#pragma omp simd
+                for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
+#pragma omp simd
+                for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+            } else {
+                const uint16_t *x = (const uint16_t *)qkv + src;
+                uint16_t *o = (uint16_t *)out + dst;
+                for (int i = 0; i < D; i++) {
+                    const int j = i < half ? i + half : i - half;
+                    o[i] = bf16_store(bf16_load(x[i]) * c[i] + bf16_load(x[j]) * s[i]);
+                }
+            }
+        }
+        for (int g = 0; g < Hkv; g++) {
+            const int64_t src = (int64_t)t * row + (int64_t)(H + Hkv + g) * D;
+            const int64_t dst = v_offset + (slots[t] * Hkv + g) * D;
+            memcpy((char *)kv + dst * elem_bytes, (const char *)qkv + src * elem_bytes,
+                   (size_t)elem_bytes * D);
+        }
+    }
+}
+
+/* exp(x) over the whole float range (clamped to [-87, 88]), vectorizable. */
+static inline float exp_any(float x) {
+    x = x > 88.0f ? 88.0f : x;
+    return exp_nonpositive(x);
+}
+
+/* out[T, I] = silu(gate) * up, where gate and up are [T, I] with rows strided by `row` elements
+ * (a fused gate_up matmul's output holds both in one row). silu(x) = x / (1 + exp(-x)). */
+void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
+                  int I) {
+#pragma omp parallel for schedule(static) if (T >= 8)
+    for (int t = 0; t < T; t++) {
+        const int64_t src = (int64_t)t * row, dst = (int64_t)t * I;
+        if (elem_bytes == 4) {
+            const float *g = (const float *)gate + src, *u = (const float *)up + src;
+            float *o = (float *)out + dst;
+            int i = 0;
+#ifdef HAVE_AVX2_ATTENTION
+            const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(88.0f);
+            for (; i + 8 <= I; i += 8) {
+                const __m256 gi = _mm256_loadu_ps(g + i);
+                /* exp(-g) for every g: -g clamped to 88 from above, to -87 inside exp8 */
+                const __m256 e = exp8_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gi), hi));
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(one, e)),
+                                                      _mm256_loadu_ps(u + i)));
+            }
+#endif
+            for (; i < I; i++) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+        } else {
+            const uint16_t *g = (const uint16_t *)gate + src, *u = (const uint16_t *)up + src;
+            uint16_t *o = (uint16_t *)out + dst;
+            for (int i = 0; i < I; i++) {
+                const float gi = bf16_load(g[i]);
+                /* torch rounds silu's result to bf16 before the multiply */
+                o[i] = bf16_store(bf16_load(bf16_store(gi / (1.0f + exp_any(-gi)))) * bf16_load(u[i]));
+            }
+        }
+    }
+}

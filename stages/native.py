@@ -1,0 +1,324 @@
+"""ppring's CPU kernels (`cpu_kernels.c`), compiled once per machine and called through ctypes.
+
+Why C, and why built here: attention must read each sequence's K and V where the block table
+says they are, and torch has no op that walks a block table on the CPU. Gathering the context
+into a dense tensor for SDPA copied every sequence's K and V in every layer, which cost as much
+as the attention itself (PITFALLS.md). vLLM and SGLang ship compiled CPU kernels for this; a
+wheel of ours would have to match every CPU, so the source is compiled on first use with
+`-march=native` (about one second) into `$PPRING_CACHE/kernels/`, keyed by the source, the
+compiler and this CPU's feature flags, and reused afterwards.
+
+The kernels use OpenMP and link `libgomp.so.1` by soname; torch has already loaded its own
+copy under that soname, so the kernels run on torch's thread pool with torch's thread count.
+With no C compiler, or `PPRING_NATIVE_KERNELS=0`, `kernels()` returns None and the stage runs
+the torch path (gather + SDPA, F.linear); `unavailable_reason()` says why, for the start-up log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from stages.batch import BLOCK_SIZE
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+DISABLE_ENV = "PPRING_NATIVE_KERNELS"  # "0": use the torch paths
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+COMPILE_TIMEOUT_S = 120
+
+_i32p = ctypes.POINTER(ctypes.c_int32)
+_vp = ctypes.c_void_p
+
+
+class NativeKernels:
+    """The loaded library. Every tensor argument must be a contiguous CPU tensor of the dtype the
+    method names; the methods check shapes, since a wrong one would read out of bounds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.ppr_block_size.restype = ctypes.c_int
+        if lib.ppr_block_size() != BLOCK_SIZE:
+            raise RuntimeError(f"{path} was built for another block size")
+        lib.ppr_paged_attention.restype = ctypes.c_int
+        lib.ppr_paged_attention.argtypes = [
+            ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, _vp, _vp, _vp, _vp,
+            ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_float,
+        ]  # fmt: skip
+        lib.ppr_linear_f32.restype = None
+        lib.ppr_linear_f32.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_linear_int8.restype = None
+        lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_add_rms_norm.restype = None
+        lib.ppr_add_rms_norm.argtypes = (
+            [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
+        )
+        lib.ppr_rope_store.restype = None
+        lib.ppr_rope_store.argtypes = [
+            ctypes.c_int, _vp, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ]  # fmt: skip
+        lib.ppr_silu_mul.restype = None
+        lib.ppr_silu_mul.argtypes = [ctypes.c_int, _vp, _vp, ctypes.c_int64, _vp] + [
+            ctypes.c_int
+        ] * 2
+        self._lib = lib
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        q_start: torch.Tensor,
+        q_len: torch.Tensor,
+        ctx_len: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, h, d] (RoPE applied); kv_layer [2, slots, h_kv, d] with this step's K/V written;
+        q_start, q_len, ctx_len [N] int32; block_table [N, max_blocks] int32 covering each
+        context. Returns [T, h, d]: each row attends causally to its own sequence's keys."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, num_slots, num_kv_heads, kv_dim = kv_layer.shape
+        if kv_dim != head_dim:
+            raise ValueError(f"q has head_dim {head_dim}, the KV cache {kv_dim}")
+        _check(q, kv_layer)
+        _check(kv_layer, kv_layer)
+        if block_table.dtype is not torch.int32 or not block_table.is_contiguous():
+            raise ValueError("the block table must be contiguous int32")
+        out = torch.empty_like(q)
+        status = self._lib.ppr_paged_attention(
+            _ELEM_BYTES[q.dtype],
+            q.data_ptr(),
+            kv_layer.data_ptr(),
+            out.data_ptr(),
+            q_start.shape[0],
+            q_start.data_ptr(),
+            q_len.data_ptr(),
+            ctx_len.data_ptr(),
+            block_table.data_ptr(),
+            block_table.shape[1],
+            num_slots,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
+        if status != 0:
+            raise RuntimeError(
+                f"paged attention failed for {num_heads} heads over {num_kv_heads} KV heads"
+            )
+        return out
+
+    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T -> [M, N], fp32, reading the weight once."""
+        x = x.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        if weight.shape[1] != k or x.dtype != torch.float32 or weight.dtype != torch.float32:
+            raise ValueError("linear_f32 takes float32 x [M, K] and weight [N, K]")
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib.ppr_linear_f32(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), m, n, k)
+        return y
+
+    def linear_int8(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
+        """(x [M, K] fp32 @ weight [N, K] int8^T) * scale [N] fp32 -> [M, N] fp32."""
+        x = x.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        if weight.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
+            raise ValueError("linear_int8 takes x [M, K], an int8 weight [N, K] and scale [N]")
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib.ppr_linear_int8(
+            x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k
+        )
+        return y
+
+    def add_rms_norm(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        h_is_scratch: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual'): residual' = h + residual (h alone when residual is None), and
+        x = rmsnorm(residual') * weight; h, residual [T, d] contiguous, weight [d].
+        h_is_scratch: h is this step's own temporary, so residual' may be written over it."""
+        _check(h, weight)
+        if residual is not None:
+            _check(residual, h)
+        residual_out = h if h_is_scratch else torch.empty_like(h)
+        x = torch.empty_like(h)
+        self._lib.ppr_add_rms_norm(
+            _ELEM_BYTES[h.dtype],
+            h.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            residual_out.data_ptr(),
+            x.data_ptr(),
+            h.shape[0],
+            h.shape[1],
+            eps,
+        )
+        return x, residual_out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_layer: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """qkv [T, (h + 2 h_kv) * d] -> q [T, h, d] with RoPE applied; k (rotated) and v are
+        written into kv_layer [2, slots, h_kv, d] at slot_mapping [T] (int64).
+        cos, signed_sin: [T, d] fp32."""
+        _, num_slots, num_kv_heads, head_dim = kv_layer.shape
+        num_tokens, row = qkv.shape
+        if row != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+            raise ValueError(
+                f"qkv rows of {row} cannot hold {num_heads} + 2 x {num_kv_heads} heads"
+            )
+        _check(qkv, kv_layer)
+        if cos.dtype is not torch.float32 or cos.shape != (num_tokens, head_dim):
+            raise ValueError("rope_store takes fp32 cos and sin tables of [T, head_dim]")
+        if slot_mapping.dtype is not torch.int64 or slot_mapping.shape[0] != num_tokens:
+            raise ValueError("slot_mapping must be [T] int64")
+        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
+        self._lib.ppr_rope_store(
+            _ELEM_BYTES[qkv.dtype],
+            qkv.data_ptr(),
+            row,
+            q.data_ptr(),
+            cos.data_ptr(),
+            signed_sin.data_ptr(),
+            slot_mapping.data_ptr(),
+            kv_layer.data_ptr(),
+            num_slots,
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 I] (gate, then up) -> silu(gate) * up [T, I]."""
+        _check(gate_up, gate_up)
+        num_tokens, width = gate_up.shape
+        out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype)
+        start = gate_up.data_ptr()
+        self._lib.ppr_silu_mul(
+            _ELEM_BYTES[gate_up.dtype],
+            start,
+            start + (width // 2) * gate_up.element_size(),
+            width,
+            out.data_ptr(),
+            num_tokens,
+            width // 2,
+        )
+        return out
+
+
+_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def _check(t: torch.Tensor, like: torch.Tensor) -> None:
+    """The kernels read raw memory, so a tensor of the wrong dtype, device or layout would be
+    read as the wrong bytes: t must be a contiguous CPU tensor of `like`'s float32/bf16 dtype.
+    (Cheap checks: a layer makes a dozen of these calls per step.)"""
+    if t.dtype is not like.dtype or t.dtype not in _ELEM_BYTES or not t.is_cpu:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16 CPU tensors, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError("the CPU kernels take contiguous tensors")
+
+
+def kernels() -> NativeKernels | None:
+    """The kernels, built on first use; None where they cannot be (see unavailable_reason)."""
+    kernels_or_reason = _load()
+    return kernels_or_reason if isinstance(kernels_or_reason, NativeKernels) else None
+
+
+def unavailable_reason() -> str | None:
+    """Why kernels() is None, in one sentence; None when they are loaded."""
+    kernels_or_reason = _load()
+    return None if isinstance(kernels_or_reason, NativeKernels) else kernels_or_reason
+
+
+@functools.cache
+def _load() -> NativeKernels | str:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"{DISABLE_ENV}=0 turns them off"
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        return "no C compiler (gcc or cc, or $CC) was found to build them"
+    try:
+        path = _build(compiler)
+        return NativeKernels(path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        return f"building them with {compiler} failed: {error}"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.splitlines()[0]
+    key = hashlib.sha256(
+        b"\0".join([source, version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()])
+    ).hexdigest()[:16]
+    folder = cache_dir() / "kernels"
+    target = folder / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    # Stage processes starting together may all build: each writes its own file and renames
+    # it into place, which is atomic, so a reader never sees half a library.
+    handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+    os.close(handle)
+    try:
+        result = subprocess.run(
+            [compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=COMPILE_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr else "")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    logger.info("built the CPU kernels: %s", target)
+    return target
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def cache_dir() -> Path:
+    """`$PPRING_CACHE`, else ~/.cache/ppring: where ppring keeps what it builds once."""
+    env = os.environ.get("PPRING_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ppring"

@@ -1,0 +1,137 @@
+"""The small ops around a layer's matmuls, in torch or in the CPU kernels, chosen once per stage.
+
+A decoder layer's work besides its matmuls and attention is: add + RMSNorm (twice), RoPE on q
+and k with K and V stored in the paged cache, and SiLU(gate) * up. In torch that is about twenty
+ops a layer, each a Python dispatch and a pass over memory; on a 2-core CPU at batch 32 they cost
+as much as a third of the matmuls (RMSNorm alone, decomposed into pow/mean/rsqrt/mul, 8 ms a
+step). `NativeOps` does each in one call of `cpu_kernels.c`; `TorchOps` is the same arithmetic in
+torch, for a GPU (where issue-13's graphs take over) or a CPU without a C compiler.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stages.native import NativeKernels
+
+
+class TorchOps:
+    name = "torch"
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, d] in the stage dtype (the 1 broadcasts over heads)."""
+        cos, sin = _rope_fp32(positions, inv_freq)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+
+    def add_rms_norm(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        h_is_scratch: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(h + residual) * weight, h + residual); [T, d] each. h_is_scratch: h is
+        this step's own temporary, which the sum may overwrite (the kernels do)."""
+        residual = h if residual is None else h + residual
+        return rms_norm(residual, weight, eps), residual
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_layer: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """qkv [T, (h + 2 h_kv) d] -> q [T, h, d] rotated; k rotated and v stored at the slots."""
+        num_tokens = qkv.shape[0]
+        _, _, num_kv_heads, head_dim = kv_layer.shape
+        q, k, v = qkv.split(
+            (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), dim=-1
+        )
+        q = apply_rope(q.view(num_tokens, num_heads, head_dim), cos, sin)  # [T, h, d]
+        k = apply_rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+        v = v.view(num_tokens, num_kv_heads, head_dim)
+        # One copy for K and V (ops, not bytes, are what a small GPU batch pays for).
+        kv_layer.index_copy_(1, slot_mapping, torch.stack((k, v)))  # [2, T, h_kv, d]
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return F.silu(gate) * up
+
+
+class NativeOps:
+    """The same ops as TorchOps, one kernel call each (CPU, float32 or bfloat16)."""
+
+    name = "native"
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.kernels = kernels
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, d] fp32: the kernel rotates in fp32 and rounds once."""
+        return _rope_fp32(positions, inv_freq)
+
+    def add_rms_norm(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        h_is_scratch: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(h, residual, weight, eps, h_is_scratch)
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_layer: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        return self.kernels.rope_store(qkv, cos, sin, slot_mapping, kv_layer, num_heads)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+Ops = TorchOps | NativeOps
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, d] -> [T, d]; statistics in fp32 whatever the dtype, as transformers does.
+
+    One fused op, not transformers' eight: a decode step is a few thousand small ops, and on a
+    GPU each costs a kernel launch and its Python dispatch, which is what bounds a small batch.
+    fp32 results are bit-identical to transformers'; bf16 ones round once instead of twice."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; rotate-half convention (the layout Hugging Face checkpoints use).
+
+    rotate_half(x) = [-x2, x1] is roll(x, d/2) = [x2, x1] with its first half negated, and that
+    sign lives in `signed_sin` (computed once per forward): four ops per call instead of seven,
+    the same arithmetic exactly (a sign flip rounds nothing)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def _rope_fp32(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, signed sin [T, d] fp32; the sine's first half is negated."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, d]
+    sin = angles.sin()
+    sin[:, : freqs.shape[-1]].neg_()
+    return angles.cos(), sin

@@ -1,0 +1,169 @@
+"""ppring's CPU kernels (stages/cpu_kernels.c) against torch, one kernel at a time: every shape
+path (one row, pairs of rows, odd tails; head_dim a multiple of 8 or not), fp32 and bf16."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import native
+from stages.batch import BLOCK_SIZE
+from stages.ops import NativeOps, TorchOps
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    built = native.kernels()
+    assert built is not None, native.unavailable_reason()  # CI has gcc: they must build
+    return built
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 9), (5, 33), (9, 100)])
+def test_linear_f32_matches_f_linear_for_every_row_count(
+    kernels: native.NativeKernels, n: int, k: int
+) -> None:
+    torch.manual_seed(n * k)
+    weight = torch.randn(n, k)
+    for m in [*range(1, 12), 31, 32, 33, 64]:
+        x = torch.randn(m, k)
+        expected = F.linear(x, weight)
+        got = kernels.linear_f32(x, weight)
+        assert (got - expected).abs().max().item() < 1e-3 * math.sqrt(k), f"{m} rows"
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 2048)])
+def test_linear_int8_matches_its_dequantized_weights(
+    kernels: native.NativeKernels, n: int, k: int
+) -> None:
+    torch.manual_seed(n + k)
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) / 100
+    for m in [1, 2, 3, 8, 33]:
+        x = torch.randn(m, k)
+        expected = F.linear(x, qweight.float() * scale[:, None])
+        got = kernels.linear_int8(x, qweight, scale)
+        # activations are rounded to int16 per row: relative error ~ 2^-15 of the row's max
+        assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
+
+
+def reference_attention(
+    q: torch.Tensor, kv: torch.Tensor, chunks: list[tuple[int, int, list[int]]]
+) -> torch.Tensor:
+    """q [T, h, d]; chunks (start_pos, n, blocks) in row order; plain softmax in fp64."""
+    out = torch.empty_like(q, dtype=torch.float64)
+    num_heads, num_kv_heads = q.shape[1], kv.shape[2]
+    row = 0
+    for start, n, blocks in chunks:
+        ctx = start + n
+        slots = torch.tensor(
+            [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx)]
+        )
+        k = kv[0, slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [ctx, h, d]
+        v = kv[1, slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+        for i in range(n):
+            qi = q[row + i].double()  # [h, d]
+            scores = torch.einsum("hd,chd->hc", qi, k[: start + i + 1]) / math.sqrt(q.shape[-1])
+            out[row + i] = torch.einsum("hc,chd->hd", scores.softmax(-1), v[: start + i + 1])
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 16), (8, 1, 128), (6, 2, 24), (32, 8, 8)],
+)
+def test_paged_attention_matches_a_plain_softmax(
+    kernels: native.NativeKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # A mixed batch: fresh prefills, prefill chunks with earlier context, and decodes of many
+    # lengths (one page, several, exactly a page, a page and one), over scattered blocks.
+    rng = random.Random(heads * head_dim)
+    specs = [(0, 40), (17, 1), (100, 1), (5, 9), (0, 1), (64, 64), (15, 1), (16, 1), (3, 30)]
+    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs) + 4
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    chunks = []
+    for start, n in specs:
+        need = -(-(start + n) // BLOCK_SIZE)
+        chunks.append((start, n, [free.pop() for _ in range(need)]))
+    torch.manual_seed(0)
+    kv = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
+    used = {b * BLOCK_SIZE + j for _, _, blocks in chunks for b in blocks for j in range(16)}
+    written = {
+        blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for s, n, blocks in chunks
+        for p in range(s + n)
+    }
+    for slot in used - written:  # slots past a context: whatever they hold must not leak
+        kv[:, slot] = float("nan")
+    num_tokens = sum(n for _, n, _ in chunks)
+    q = torch.randn(num_tokens, heads, head_dim).to(dtype)
+    i32 = torch.int32
+    starts = torch.tensor([0, *torch.tensor([n for _, n, _ in chunks]).cumsum(0)[:-1]], dtype=i32)
+    width = max(len(b) for _, _, b in chunks)
+    got = kernels.paged_attention(
+        q,
+        kv,
+        starts,
+        torch.tensor([n for _, n, _ in chunks], dtype=i32),
+        torch.tensor([s + n for s, n, _ in chunks], dtype=i32),
+        torch.tensor([b + [0] * (width - len(b)) for _, _, b in chunks], dtype=i32),
+        head_dim**-0.5,
+    )
+    expected = reference_attention(q, kv, chunks)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert not got.isnan().any()
+    assert (got.double() - expected).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops_match_torch(kernels: native.NativeKernels, dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    ours, theirs = NativeOps(kernels), TorchOps()
+    num_tokens, hidden = 11, 96
+    h, residual = (
+        torch.randn(num_tokens, hidden).to(dtype),
+        torch.randn(num_tokens, hidden).to(dtype),
+    )
+    weight = torch.rand(hidden).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for res in (residual, None):
+        (x1, r1), (x2, r2) = (
+            ours.add_rms_norm(h, res, weight, 1e-5),
+            theirs.add_rms_norm(h, res, weight, 1e-5),
+        )
+        assert torch.equal(r1, r2)
+        assert (x1.float() - x2.float()).abs().max().item() < tolerance
+    gate_up = (4 * torch.randn(num_tokens, 2 * hidden)).to(dtype)
+    assert (ours.silu_mul(gate_up).float() - theirs.silu_mul(gate_up).float()).abs().max() < (
+        tolerance * 10
+    )
+
+    heads, kv_heads, head_dim = 6, 2, 16
+    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 4, 1000, 7, 8])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    slots = torch.randperm(64)[:num_tokens]
+    kv_ours = torch.zeros(2, 64, kv_heads, head_dim, dtype=dtype)
+    kv_theirs = kv_ours.clone()
+    q1 = ours.rope_store(qkv, *ours.rope_tables(positions, inv_freq, dtype), slots, kv_ours, heads)
+    q2 = theirs.rope_store(
+        qkv, *theirs.rope_tables(positions, inv_freq, dtype), slots, kv_theirs, heads
+    )
+    assert (q1.float() - q2.float()).abs().max().item() < tolerance * 10
+    assert (kv_ours.float() - kv_theirs.float()).abs().max().item() < tolerance * 10
+
+
+def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels) -> None:
+    h = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.add_rms_norm(h.double(), None, torch.ones(8).double(), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.add_rms_norm(torch.randn(8, 4).t(), None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError):
+        kernels.linear_f32(torch.randn(2, 8), torch.randn(3, 9))
