@@ -42,6 +42,10 @@ QUICK_RATE_FRACTIONS = (0.15, 0.75)
 # (requests, prompt tokens, output tokens, seconds of arrivals per rate, requests per rate >=)
 FULL = (64, "16,512", "16,128", 40.0, 6)
 QUICK = (32, "16,256", "8,48", 15.0, 4)
+# --workload equal: every request the same work, prompts of 8-120 tokens, 64 new tokens each.
+# A static batch then wastes nothing on requests that are done, so this is the comparison
+# that flatters ppring least (HF generate still pads prompts to the batch's longest).
+EQUAL = ("8,120", "64,64")
 READY_TIMEOUT_S = 600.0
 
 
@@ -63,11 +67,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--point-seconds", type=float, default=None,
         help="how long each rate's arrivals last, at most (default 40, quick 15)",
     )  # fmt: skip
+    parser.add_argument(
+        "--workload",
+        choices=("mixed", "equal"),
+        default="mixed",
+        help="mixed: prompts 16-512, outputs 16-128 tokens; equal: prompts 8-120, every output "
+        "64 tokens (equal work per request)",
+    )
     parser.add_argument("--prompt-tokens", default=None, help="MIN,MAX, log-uniform (16,512)")
     parser.add_argument("--output-tokens", default=None, help="MIN,MAX, uniform (16,128)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores to use")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--quantization", choices=("none", "int8"), default="none")
+    parser.add_argument(
+        "--pp-async-batch-depth", type=int, default=None, help="the rings' (ppring local's default)"
+    )
+    parser.add_argument(
+        "--hf-dtypes",
+        default="float32",
+        help="HF generate baselines, e.g. float32,bfloat16 (float32: what a user gets by default)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--kv-memory-gib", type=float, default=None, help="KV budget per stage (ppring local's)"
@@ -79,6 +99,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("."), help="where JSON and PNG go")
     args = parser.parse_args(argv)
     num, prompt, output, seconds, args.min_point_requests = QUICK if args.quick else FULL
+    if args.workload == "equal":
+        prompt, output = EQUAL
     args.num_requests = num if args.num_requests is None else args.num_requests
     args.prompt_tokens = args.prompt_tokens or prompt
     args.output_tokens = args.output_tokens or output
@@ -88,6 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.concurrencies = sorted(int(x) for x in args.concurrency.split(","))
         args.rates = [float(x) for x in args.rates.split(",")] if args.rates else None
         args.prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
+        args.hf_dtypes = [x.strip() for x in args.hf_dtypes.split(",") if x.strip()]
         args.output_tokens = tuple(int(x) for x in args.output_tokens.split(","))
     except ValueError:
         parser.error(
@@ -107,6 +130,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         or len(set(args.concurrencies)) != len(args.concurrencies)
     ):
         parser.error("name each layout in --pp-sizes, each --concurrency and each rate once")
+    if any(d not in ("float32", "bfloat16") for d in args.hf_dtypes):
+        parser.error("--hf-dtypes takes float32 and/or bfloat16")
     if args.no_sweep and args.rates:
         parser.error("--no-sweep and --rates contradict each other; pick one")
     args.concurrency = args.concurrencies[-1]  # the ring's capacity; saturation is measured here
@@ -128,8 +153,11 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
         "--pp-size", str(pp_size), "--threads-per-stage", str(threads),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
+        "--quantization", args.quantization,
         "--log-dir", str(log_dir / f"pp{pp_size}"),
     ]  # fmt: skip
+    if args.pp_async_batch_depth is not None:
+        cmd += ["--pp-async-batch-depth", str(args.pp_async_batch_depth)]
     if args.kv_memory_gib is not None:
         cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
     (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)
@@ -267,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     shape = workload.describe()
-    print(f"ppring bench serve: {model_dir.name}, {args.dtype} on {args.device}, "
+    print(f"ppring bench serve: {model_dir.name}, {args.dtype} ("
+          f"{_resolved_dtype(args, model_dir)}) on {args.device}, "
           f"{args.threads} threads; {len(workload.requests)} requests "
           f"({shape['prompt_tokens_min']}-{shape['prompt_tokens_max']} prompt tokens, "
           f"{shape['output_tokens_min']}-{shape['output_tokens_max']} output tokens)",
@@ -294,21 +323,28 @@ def main(argv: list[str] | None = None) -> int:
                     points.append(_measure(addr, sub, layout, rate, args.concurrency, args.seed))
             # Written after every layout and baseline: a later failure loses nothing measured.
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
-    if not args.no_baseline:
+    for hf_dtype in [] if args.no_baseline else args.hf_dtypes:
         from bench.hf_baseline import HFGenerate
 
-        hf = HFGenerate(model_dir, args.threads, args.dtype, args.device)
+        name = hf_layout(hf_dtype)
+        hf = HFGenerate(model_dir, args.threads, hf_dtype, args.device)
         for concurrency in args.concurrencies:
             sub = _closed_subset(workload, concurrency, args.min_point_requests)
-            with _progress(sub, f"HF generate C={concurrency}") as bar:
+            with _progress(sub, f"{name} C={concurrency}") as bar:
                 run = hf.run(sub, concurrency, on_tokens=bar.update)
-            baseline = Point("HF generate", None, concurrency, run["records"], run["elapsed_s"])
+            baseline = Point(name, None, concurrency, run["records"], run["elapsed_s"])
             baselines.append(baseline)
-            print(f"  HF generate (static batches of {concurrency}): "
+            print(f"  {name} (static batches of {concurrency}): "
                   f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
+        del hf
     write_results(args, argv, model_dir, workload, points, baselines, started)
     return 0
+
+
+def hf_layout(dtype: str) -> str:
+    """The baseline's name: plain "HF generate" for float32, what a user gets by default."""
+    return "HF generate" if dtype == "float32" else f"HF generate {dtype}"
 
 
 def _measure(
@@ -364,14 +400,18 @@ def write_results(
         "machine": machine_info(),
         "model": str(model_dir),
         "dtype": args.dtype,
+        "dtype_resolved": _resolved_dtype(args, model_dir),
+        "quantization": args.quantization,
+        "workload_kind": args.workload,
         "device": args.device,
         "threads": args.threads,
         "concurrency": args.concurrency,
         "concurrencies": args.concurrencies,
         "workload": workload.describe(),
         "points": [p.summary() for p in points],
-        # The baseline at the highest concurrency (the saturation figures), and all of them.
-        "baseline": baselines[-1].summary() if baselines else None,
+        # The first baseline (float32, when asked) at the highest concurrency: the saturation
+        # figures; and all of them.
+        "baseline": _top_baseline(baselines, args.concurrency),
         "baselines": [b.summary() for b in baselines],
         "requests": {
             f"{p.layout} {'closed C=' + str(p.concurrency) if p.rate is None else p.rate}": (
@@ -390,6 +430,21 @@ def write_results(
         print()
         print(table(result))
         print(f"\nwrote {json_path} and {png_path} ({result['wall_s']:.0f} s)")
+
+
+def _top_baseline(baselines: list[Point], concurrency: int) -> dict[str, Any] | None:
+    top = [b for b in baselines if b.concurrency == concurrency]
+    return top[0].summary() if top else None
+
+
+def _resolved_dtype(args: argparse.Namespace, model_dir: Path) -> str:
+    """What `--dtype` means on this machine (auto resolved), for the JSON and the title."""
+    if args.dtype != "auto":
+        return args.dtype
+    from stages.config import ModelConfig
+    from stages.dtype import resolve_dtype
+
+    return resolve_dtype("auto", args.device, ModelConfig.from_folder(model_dir).torch_dtype).name
 
 
 def _subset(workload: Workload, rate: float, point_seconds: float, min_requests: int) -> Workload:
@@ -437,6 +492,24 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
             k: round(p["output_tokens_per_s"] / base["output_tokens_per_s"], 2)
             for k, p in closed.items()
         }
+    baselines_all = result.get("baselines") or []
+    for b in baselines_all:
+        if b["layout"] != "HF generate" and b["closed_loop_concurrency"] == top:
+            out["saturation_tokens_per_s"][b["layout"]] = b["output_tokens_per_s"]
+            out["vs_" + b["layout"].replace(" ", "_").lower()] = {
+                k: round(p["output_tokens_per_s"] / b["output_tokens_per_s"], 2)
+                for k, p in closed.items()
+            }
+    if len({p["closed_loop_concurrency"] for p in closed_all}) > 1 and baselines_all:
+        ratios: dict[str, dict[str, float]] = {}
+        for b in baselines_all:
+            for p in closed_all:
+                if p["closed_loop_concurrency"] == b["closed_loop_concurrency"]:
+                    key = f"{p['layout']} / {b['layout']}"
+                    ratios.setdefault(str(p["closed_loop_concurrency"]), {})[key] = round(
+                        p["output_tokens_per_s"] / b["output_tokens_per_s"], 2
+                    )
+        out["closed_loop_vs_baselines"] = ratios
     if "PP=1" in closed and "PP=2" in closed:
         out["pp2_over_pp1"] = round(
             closed["PP=2"]["output_tokens_per_s"] / closed["PP=1"]["output_tokens_per_s"], 2
@@ -475,6 +548,13 @@ def table(result: dict[str, Any]) -> str:
     if "vs_hf_generate" in head:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in head["vs_hf_generate"].items())
         lines.append(f"\nsaturation vs HF generate (C={result['concurrency']}): {ratios}")
+    for key, values in head.items():
+        if key.startswith("vs_hf_generate_"):
+            ratios = ", ".join(f"{k} {v:.2f}x" for k, v in values.items())
+            lines.append(f"saturation vs {key[3:]} (C={result['concurrency']}): {ratios}")
+    for concurrency, values in head.get("closed_loop_vs_baselines", {}).items():
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in values.items())
+        lines.append(f"C={concurrency}: {ratios}")
     if "pp2_over_pp1" in head:
         lines.append(f"PP=2 / PP=1 at saturation: {head['pp2_over_pp1']:.2f}x")
     return "\n".join(lines)
@@ -523,7 +603,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax_tpot, ax_tput = axes[row]
         baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
         series = [(layout, colors[layout], "o") for layout in layouts]
-        series.append(("HF generate", "gray", "^"))
+        hf_layouts = sorted({b["layout"] for b in baselines})
+        series += [(name, ("gray", "black")[i % 2], "^") for i, name in enumerate(hf_layouts)]
         for layout, color, marker in series:
             mine = sorted(
                 (p for p in [*closed, *baselines] if p["layout"] == layout),
@@ -542,8 +623,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.legend(fontsize=8)
     model = Path(result["model"]).name
     fig.suptitle(
-        f"ppring bench serve: {model}, {result['dtype']} on {result['device']}, "
-        f"{result['threads']} threads"
+        f"ppring bench serve: {model}, {result.get('dtype_resolved', result['dtype'])} on "
+        f"{result['device']}, {result['threads']} threads, {result.get('workload_kind', 'mixed')}"
+        " workload"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

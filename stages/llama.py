@@ -35,17 +35,22 @@ class Kind:
     ops: Ops
     kernels: NativeKernels | None  # the CPU kernels, where this stage uses them
     quantization: str = "none"
+    pack: bool = False  # fp32 on a CPU: keep oneDNN's prepacked copy too (stages/linear.py)
 
     @classmethod
     def for_device(
-        cls, device: torch.device, kernels: NativeKernels | None = None, quantization: str = "none"
+        cls,
+        device: torch.device,
+        kernels: NativeKernels | None = None,
+        quantization: str = "none",
+        pack: bool = False,
     ) -> Kind:
         if device.type != "cpu":
             kernels = None
-        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization)
+        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization, pack)
 
     def linear(self, weight: torch.Tensor) -> nn.Module:
-        return make_linear(weight, self.quantization, self.kernels)
+        return make_linear(weight, self.quantization, self.kernels, self.pack)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:

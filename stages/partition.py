@@ -8,7 +8,7 @@ Two rules, picked by `--partition-rule` (PPRING_LAYER_PARTITION=a,b,... override
   (`StageCosts.for_model`), the same on every node, so every stage computes the same split.
   For SmolLM2 the lm_head (49,152 x 576) is about seven layers of decode work: at PP=2 the
   seed's [15, 15] left stage 0 waiting 43% of the time for the last stage; `cost` gives
-  [18, 12].
+  [17, 13].
 - `seed` (DESIGN.md §4): every stage gets `L // S` layers and the remainder `x` goes one layer
   each to the `x` stages just before the last. That is the same as "all but the last" when
   `x = S - 1`, and "the middle stages, first and last excluded" when `S > 2` and `x <= S - 2`:
@@ -35,18 +35,30 @@ PARTITION_RULES = ("cost", "seed")
 # The context a decode step's attention is costed at: a typical serving context, long enough
 # that attention is not free and short enough that weights dominate, as they do in serving.
 COST_CONTEXT_TOKENS = 512
+# The share of the tokens through a stage that are decode tokens, the only ones that reach the
+# lm_head (a prefill chunk samples at most its last row). Decode-dominated serving: chat
+# answers run about as long as their prompts. Measured on the equal-work bench (prompts of
+# 8-120 tokens, 64 new tokens each: 60% decode) at PP=2: [18, 12] (the lm_head at full weight)
+# left stage 1 waiting 21% for stage 0, [17, 13] waited 13% and 16%: the round trip at depth 0.
+DECODE_SHARE = 0.6
 
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Per decoded token, in FLOPs: one layer, and what the first and the last stage add."""
+    """Per token through the ring, in FLOPs: one layer, and what the first and the last stage
+    add (the last one's lm_head weighted by the share of decode tokens)."""
 
     layer: float
     first_extra: float  # embedding lookup
     last_extra: float  # final norm, lm_head, sampling
 
     @classmethod
-    def for_model(cls, config: ModelConfig, context: int = COST_CONTEXT_TOKENS) -> StageCosts:
+    def for_model(
+        cls,
+        config: ModelConfig,
+        context: int = COST_CONTEXT_TOKENS,
+        decode_share: float = DECODE_SHARE,
+    ) -> StageCosts:
         d, head_dim = config.hidden_size, config.head_dim
         q_size = config.num_heads * head_dim
         kv_size = config.num_kv_heads * head_dim
@@ -57,8 +69,9 @@ class StageCosts:
         return cls(
             layer=2 * weights + attention + elementwise,
             first_extra=d,
-            # the lm_head matmul, plus the sampler's few passes over the logits
-            last_extra=2 * vocab * d + 10 * d + 8 * vocab,
+            # the lm_head matmul and the sampler's few passes over the logits, for the decode
+            # tokens only; the final norm for every token
+            last_extra=decode_share * (2 * vocab * d + 8 * vocab) + 10 * d,
         )
 
     def stage_costs(self, partition: list[int]) -> list[float]:

@@ -31,7 +31,7 @@ from stages.config import ModelConfig
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.linear import check_quantization
+from stages.linear import check_quantization, should_pack
 from stages.llama import Kind, LlamaStage
 from stages.partition import layer_range, partition_for_model, partition_layers
 from stages.sampler import GREEDY, sample
@@ -161,7 +161,13 @@ class StageRunner(Stage):
             model_dir, self.config, start_layer, end_layer, self.dtype, self.device
         )
         self.num_tensors_read = weights.num_tensors_read
-        kind = Kind.for_device(self.device, kernels, quantization)
+        pack = (
+            kernels is not None
+            and self.dtype == torch.float32
+            and quantization == "none"
+            and should_pack(sum(t.numel() * t.element_size() for t in weights.tensors.values()))
+        )
+        kind = Kind.for_device(self.device, kernels, quantization, pack)
         self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer, kind)
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
@@ -174,21 +180,26 @@ class StageRunner(Stage):
             self.attention,
             attention_reason,
             kind.ops.name,
-            "int8 (per-channel scales)" if quantization == "int8" else "unquantized",
+            "int8 (per-channel scales)"
+            if quantization == "int8"
+            else "fp32, with oneDNN's prepacked copy for batches of rows"
+            if pack
+            else "unquantized",
         )
         self._num_kv_blocks = num_blocks_for_budget(
             self.config, self.num_local_layers, kv_budget_bytes, self.dtype
         )
         self.kv: KVCache | None = None
         logger.info(
-            "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s on %s; KV budget %.1f MiB "
-            "holds %d blocks (%d tokens)",
+            "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s (%.1f MiB in memory) on %s; "
+            "KV budget %.1f MiB holds %d blocks (%d tokens)",
             self.log_prefix,
             start_layer,
             end_layer,
             self.num_tensors_read,
             self.parameter_bytes / 2**20,
             str(self.dtype).removeprefix("torch."),
+            self.memory_bytes / 2**20,
             self.device,
             kv_budget_bytes / 2**20,
             self._num_kv_blocks,
@@ -238,9 +249,19 @@ class StageRunner(Stage):
     @property
     def parameter_bytes(self) -> int:
         """Bytes of weights this stage holds (a tied embedding counted once; int8 weights with
-        their scales)."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        tensors = [t for t in tensors if t is not self.model.inv_freq]
+        their scales), one copy each: a step reads one copy, whichever its row count picks."""
+        return self._tensor_bytes(with_packed=False)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the weights occupy, with oneDNN's prepacked copies (stages/linear.py)."""
+        return self._tensor_bytes(with_packed=True)
+
+    def _tensor_bytes(self, with_packed: bool) -> int:
+        tensors = list(self.model.parameters())
+        for name, buffer in self.model.named_buffers():
+            if buffer is not self.model.inv_freq and (with_packed or not name.endswith("packed")):
+                tensors.append(buffer)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property

@@ -128,6 +128,7 @@ class Chain:
         kv_budget_bytes: int = KV_BUDGET,
         scattered: bool = True,
         poison: bool = False,
+        quantization: str = "none",
     ) -> None:
         self.stages = [
             StageRunner(
@@ -137,6 +138,7 @@ class Chain:
                 dtype=dtype,
                 device=device,
                 rank=rank,
+                quantization=quantization,
             )
             for rank in range(len(partition))
         ]

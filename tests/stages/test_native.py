@@ -167,3 +167,19 @@ def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels
         kernels.add_rms_norm(torch.randn(8, 4).t(), None, torch.ones(8), 1e-5)
     with pytest.raises(ValueError):
         kernels.linear_f32(torch.randn(2, 8), torch.randn(3, 9))
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_cpu_linear_matches_f_linear_on_every_path(
+    kernels: native.NativeKernels, pack: bool
+) -> None:
+    from stages.linear import CpuLinear, onednn_packing_available
+
+    if pack and not onednn_packing_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    torch.manual_seed(3)
+    weight = torch.randn(70, 48)
+    linear = CpuLinear(weight, kernels, pack)
+    for rows in (1, 3, 4, 5, 32, 64, 65, 130):  # the kernel, oneDNN or MKL, by row count
+        x = torch.randn(rows, 48)
+        assert (linear(x) - F.linear(x, weight)).abs().max().item() < 1e-4, f"{rows} rows"

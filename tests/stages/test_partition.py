@@ -114,3 +114,69 @@ def test_zero_stages_errors() -> None:
 def test_rank_outside_partition_errors() -> None:
     with pytest.raises(ConfigError, match="rank 2"):
         layer_range([2, 2], 2)
+
+
+def llama_config(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int):
+    from stages.config import ModelConfig
+
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "intermediate_size": inter,
+            "vocab_size": vocab,
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5,
+        }
+    )
+
+
+SMOLLM2 = (30, 576, 9, 3, 1536, 49152)
+LLAMA_3_8B = (32, 4096, 32, 8, 14336, 128256)
+
+
+def test_cost_rule_gives_the_lm_head_stage_fewer_layers() -> None:
+    from stages.partition import StageCosts, partition_for_model
+
+    smol = llama_config(*SMOLLM2)
+    costs = StageCosts.for_model(smol)
+    # The lm_head is ~7 layers of decode work, weighted by the 60% of tokens that decode.
+    assert 6.5 < costs.last_extra / 0.6 / costs.layer < 7.5
+    assert partition_for_model(smol, 2, "cost") == [17, 13]
+    assert partition_for_model(smol, 2, "seed") == [15, 15]
+    big = llama_config(*LLAMA_3_8B)
+    assert partition_for_model(big, 2, "cost") == [17, 15]
+    shares = StageCosts.for_model(smol).shares([17, 13])
+    assert abs(shares[0] - shares[1]) < 0.01 and abs(sum(shares) - 1) < 1e-9
+
+
+def test_cost_rule_is_the_least_max_split_and_even_where_it_can_be() -> None:
+    import itertools
+
+    from stages.partition import StageCosts, cost_partition
+
+    for costs in (StageCosts(1.0, 0.0, 0.0), StageCosts(1.0, 0.3, 2.5), StageCosts(1.0, 0.0, 9.0)):
+        for num_layers, pp_size in ((7, 3), (10, 4), (12, 2), (9, 5)):
+            got = cost_partition(num_layers, pp_size, costs)
+            assert sum(got) == num_layers and min(got) >= 1
+            best = min(
+                max(costs.stage_costs(list(p)))
+                for p in itertools.product(range(1, num_layers + 1), repeat=pp_size)
+                if sum(p) == num_layers
+            )
+            assert max(costs.stage_costs(got)) == pytest.approx(best)
+    assert cost_partition(80, 6, StageCosts(1.0, 0.0, 0.0)) == [14, 14, 13, 13, 13, 13]
+    # A last stage heavy enough to hold one layer leaves the others evenly split.
+    assert sorted(cost_partition(30, 8, StageCosts(1.0, 0.0, 9.0))[:-1]) == [4] * 6 + [5]
+
+
+def test_override_beats_the_cost_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages.partition import partition_for_model
+
+    monkeypatch.setenv("PPRING_LAYER_PARTITION", "20,10")
+    assert partition_for_model(llama_config(*SMOLLM2), 2, "cost") == [20, 10]
+    with pytest.raises(ConfigError, match="--partition-rule fastest is not known"):
+        partition_layers(30, 2, None, "fastest")
