@@ -1,6 +1,6 @@
-"""`ppring bench serve|ring|step`: the measurements users pick a layout from (bench/serve.py,
-bench/ring.py, bench/step.py). Each writes its JSON (serve and ring a PNG too) into the current
-folder, or `--out DIR`."""
+"""`ppring bench serve|ring|step|agreement`: the measurements users pick a layout from
+(bench/serve.py, bench/ring.py, bench/step.py, bench/agreement.py). Each writes its JSON (serve
+and ring a PNG too) into the current folder, or `--out DIR`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,18 @@ import sys
 BENCHES = {
     "serve": ("bench.serve", "local rings of the real model at a sweep of loads, vs HF generate"),
     "ring": ("bench.ring", "simulated stages: pipeline efficiency, async depth, idle fraction"),
-    "step": ("bench.step", "one stage's decode step time against the memory-bandwidth bound"),
+    "step": ("bench.step", "one stage's decode step time against the floors it measures"),
+    "agreement": (
+        "bench.agreement",
+        "greedy text of int8 (or fp32) against bf16's, token by token",
+    ),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in BENCHES:
-        print("usage: ppring bench {serve,ring} [--help]\n", file=sys.stderr)
+        print("usage: ppring bench {serve,ring,step,agreement} [--help]\n", file=sys.stderr)
         for name, (_, text) in BENCHES.items():
             print(f"  {name:<8}{text}", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 DISABLE_ENV = "PPRING_NATIVE_KERNELS"  # "0": use the torch paths
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# No -march: the compiler's baseline (x86-64 without AVX2 here), so the portable C paths run;
+# the tests build this too, so both are checked on every machine.
+PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120
 
 _i32p = ctypes.POINTER(ctypes.c_int32)
@@ -263,7 +266,7 @@ def unavailable_reason() -> str | None:
 def _load() -> NativeKernels | str:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"{DISABLE_ENV}=0 turns them off"
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = find_compiler()
     if compiler is None:
         return "no C compiler (gcc or cc, or $CC) was found to build them"
     try:
@@ -281,18 +284,23 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
-    folder = cache_dir() / "kernels"
-    target = folder / f"cpu_kernels-{key}.so"
-    if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # Stage processes starting together may all build: each writes its own file and renames
-    # it into place, which is atomic, so a reader never sees half a library.
-    handle, partial = tempfile.mkstemp(dir=folder, suffix=".so.partial")
+    target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    if not target.is_file():
+        compile_kernels(target, compiler, CFLAGS)
+        logger.info("built the CPU kernels: %s", target)
+    return target
+
+
+def compile_kernels(target: Path, compiler: str, cflags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile cpu_kernels.c into `target`. Stage processes starting together may all build:
+    each writes its own file and renames it into place, which is atomic, so a reader never
+    sees half a library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *cflags, "-o", partial, str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -303,8 +311,11 @@ def _build(compiler: str) -> Path:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    logger.info("built the CPU kernels: %s", target)
     return target
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
 def _cpu_signature() -> str:

@@ -15,11 +15,20 @@ from stages.batch import BLOCK_SIZE
 from stages.ops import NativeOps, TorchOps
 
 
-@pytest.fixture(scope="module")
-def kernels() -> native.NativeKernels:
-    built = native.kernels()
-    assert built is not None, native.unavailable_reason()  # CI has gcc: they must build
-    return built
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> native.NativeKernels:
+    """The kernels as a stage builds them (-march=native: AVX2 where the CPU has it), and built
+    for the compiler's baseline, so the portable C paths are checked on every machine."""
+    if request.param == "native":
+        built = native.kernels()
+        assert built is not None, native.unavailable_reason()  # CI has gcc: they must build
+        return built
+    compiler = native.find_compiler()
+    assert compiler is not None
+    target = tmp_path_factory.mktemp("portable") / "cpu_kernels.so"
+    return native.NativeKernels(native.compile_kernels(target, compiler, native.PORTABLE_CFLAGS))
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 9), (5, 33), (9, 100)])
