@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test lint demo bench-codec bench-ring bench-serve clean
+.PHONY: setup test lint demo bench-codec bench-ring bench-serve bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,13 +36,19 @@ demo: setup
 bench-codec: setup
 	$(BIN)/python -m bench.codec
 
-# Both write their JSON and PNG into bench/results/.
+# They write their JSON (and PNG) into bench/results/.
 bench-ring: setup
 	$(BIN)/ppring bench ring --out bench/results
 
 bench-serve: setup
 	$(BIN)/ppring prepare-model
 	$(BIN)/ppring bench serve --out bench/results
+	$(BIN)/ppring bench serve --workload equal --no-sweep --concurrency 32,64 \
+		--hf-dtypes float32,bfloat16 --out bench/results/equal
+
+bench-step: setup
+	$(BIN)/ppring prepare-model
+	$(BIN)/ppring bench step --batch-sizes 1,16,32,64 --context 512 --out bench/results
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,10 +1,13 @@
 """`ppring bench serve`: the serving sweep, every layout and the baseline side by side in one run.
 
-    ppring bench serve [--quick] [--pp-sizes 1,2] [--concurrency 32] [--out DIR]
+    ppring bench serve [--quick] [--workload mixed|equal] [--pp-sizes 1,2] [--concurrency 32]
+                       [--hf-dtypes float32,bfloat16] [--out DIR]
 
-For each layout it starts a local ring itself (`ppring local`, stages sharing this machine's
-cores: PP=1 gets every thread, PP=2 half each), then sends the same seeded workload
-(bench/workload.py) as
+Two seeded workloads (bench/workload.py): `mixed` (prompts of 16-512 tokens, 16-128 new
+tokens each) and `equal` (prompts of 8-120 tokens, every request 64 new tokens: equal work,
+where a static batch wastes nothing on finished requests, the comparison that flatters ppring
+least). For each layout it starts a local ring itself (`ppring local`, stages sharing this
+machine's cores: PP=1 gets every thread, PP=2 half each), then sends the same workload as
 - a closed loop of `--concurrency` requests in flight (saturation: as soon as one finishes the
   next is sent); a list such as `--concurrency 1,16,64` runs one closed loop per level, each
   on the workload's first max(2C, a few) requests, and
@@ -13,7 +16,7 @@ cores: PP=1 gets every thread, PP=2 half each), then sends the same seeded workl
   layout sees the same rates); `--no-sweep` skips them.
 It records per request TTFT, TPOT and end-to-end latency as the client sees them, and per run
 the output tokens/s. Then the same prompts go through Hugging Face `generate` on static batches
-of each concurrency (bench/hf_baseline.py). It writes `bench_serve.json` and `bench_serve.png`
+of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py). It writes `bench_serve.json` and `bench_serve.png`
 (TPOT p50/p99 and output tokens/s, vs rate and, for several concurrencies, vs concurrency)
 into `--out`, and prints a table.
 """

@@ -781,9 +781,11 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
                 sum_sq += r * r;
             }
             const float inv = 1.0f / sqrtf(sum_sq / d + eps);
+            /* rounded where transformers rounds: the normalized value, then the product */
             for (int i = 0; i < d; i++)
-                ((uint16_t *)x_out)[row + i] =
-                    bf16_store(bf16_load(out[i]) * inv * bf16_load(((const uint16_t *)weight)[i]));
+                ((uint16_t *)x_out)[row + i] = bf16_store(
+                    bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
+                    bf16_load(((const uint16_t *)weight)[i]));
         }
     }
 }
@@ -792,8 +794,7 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
  * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
  * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
  * what attention reads); cos and signed sin are [T, D] fp32 (the sine's first half negated):
- * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. The rotation is computed in fp32 and
- * rounded once to the dtype. */
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. */
 void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
                     const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
                     int H, int Hkv, int D) {
@@ -816,9 +817,13 @@ void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, c
             } else {
                 const uint16_t *x = (const uint16_t *)qkv + src;
                 uint16_t *o = (uint16_t *)out + dst;
+                /* rounded where transformers rounds in bf16: cos and sin, each product, the
+                 * sum (rounding once instead sent greedy text elsewhere within 30 tokens) */
                 for (int i = 0; i < D; i++) {
                     const int j = i < half ? i + half : i - half;
-                    o[i] = bf16_store(bf16_load(x[i]) * c[i] + bf16_load(x[j]) * s[i]);
+                    const float cb = bf16_load(bf16_store(c[i])), sb = bf16_load(bf16_store(s[i]));
+                    o[i] = bf16_store(bf16_load(bf16_store(bf16_load(x[i]) * cb)) +
+                                      bf16_load(bf16_store(bf16_load(x[j]) * sb)));
                 }
             }
         }

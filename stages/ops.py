@@ -111,10 +111,14 @@ Ops = TorchOps | NativeOps
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] -> [T, d]; statistics in fp32 whatever the dtype, as transformers does.
 
-    One fused op, not transformers' eight: a decode step is a few thousand small ops, and on a
-    GPU each costs a kernel launch and its Python dispatch, which is what bounds a small batch.
-    fp32 results are bit-identical to transformers'; bf16 ones round once instead of twice."""
-    return F.rms_norm(x, weight.shape, weight, eps)
+    In fp32 one fused op, not transformers' eight (on a GPU each op costs a launch), with
+    bit-identical results. In bf16 it rounds where transformers does: the normalized row to
+    bf16, then its product with the weight. Rounding once instead (one fused op) moved the
+    default model's logits by up to 1.4 from transformers' in bf16 and turned its greedy answer
+    to "What is the capital of France?" into "L'Étoile, la Marseillaise, ..."."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

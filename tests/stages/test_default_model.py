@@ -105,3 +105,27 @@ def test_greedy_generation_matches_transformers(
     eos = ModelConfig.from_folder(model_dir).eos_token_ids
     got = greedy_generate(chain, prompts, NEW_TOKENS, eos)
     assert got == hf_greedy
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_bfloat16_answers_like_transformers_in_bfloat16(
+    model_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 rounds where transformers rounds (RMSNorm: the normalized row, then the product
+    with the weight). Rounding once instead answered this prompt "L'Étoile, la Marseillaise"."""
+    from transformers import AutoTokenizer
+
+    from tests.stages.conftest import without_native_kernels
+
+    if path == "torch":
+        without_native_kernels(monkeypatch)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    chain = Chain(model_dir, [30], dtype="bfloat16", kv_budget_bytes=KV_BUDGET)
+    eos = ModelConfig.from_folder(model_dir).eos_token_ids
+    (answer,) = greedy_generate(chain, [prompt], 12, eos)
+    assert tokenizer.decode(answer, skip_special_tokens=True) == "The capital of France is Paris."
