@@ -1,5 +1,6 @@
-"""A Llama pipeline stage in plain torch: embedding (first stage), layers [start, end), final
-norm + lm_head (last stage).
+"""A Llama pipeline stage: embedding (first stage), layers [start, end), final norm + lm_head
+(last stage). What computes each piece (ppring's CPU kernels, oneDNN, torch) is the stage's
+`Kind`, chosen once when it is built; the layer code is the same for all of them.
 
 The residual add is fused into the next RMSNorm, as in vLLM and SGLang: a layer takes (h, r),
 computes r' = h + r and x = rmsnorm(r'), and returns its output with r'. That is why a non-last
