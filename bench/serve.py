@@ -16,9 +16,9 @@ machine's cores: PP=1 gets every thread, PP=2 half each), then sends the same wo
   layout sees the same rates); `--no-sweep` skips them.
 It records per request TTFT, TPOT and end-to-end latency as the client sees them, and per run
 the output tokens/s. Then the same prompts go through Hugging Face `generate` on static batches
-of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py). It writes `bench_serve.json` and `bench_serve.png`
-(TPOT p50/p99 and output tokens/s, vs rate and, for several concurrencies, vs concurrency)
-into `--out`, and prints a table.
+of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py). It writes
+`bench_serve.json` and `bench_serve.png` (TPOT p50/p99 and output tokens/s, vs rate and, for
+several concurrencies, vs concurrency) into `--out`, and prints a table.
 """
 
 from __future__ import annotations
