@@ -99,7 +99,7 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
     import torch.nn.functional as F
 
     modules = matmul_modules(runner)
-    widths = {_in_features(m) for m in modules}
+    widths = {m.in_features for m in modules}
     inputs = {k: torch.randn(batch, k, device=runner.device).to(runner.dtype) for k in widths}
     weights = [getattr(m, "weight", None) for m in modules]
 
@@ -115,16 +115,11 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    own = median(lambda: [m(inputs[_in_features(m)]) for m in modules])
+    own = median(lambda: [m(inputs[m.in_features]) for m in modules])
     dense = None
     if all(w is not None for w in weights):
         dense = median(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
     return {"stage_s": own, "f_linear_s": dense}
-
-
-def _in_features(module: Any) -> int:
-    weight = getattr(module, "weight", None)
-    return int((weight if weight is not None else module.qweight).shape[1])
 
 
 def time_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str, float]:

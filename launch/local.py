@@ -129,21 +129,16 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
     from stages.linear import check_quantization
 
     choice = resolve_dtype(args.dtype, args.device, config.torch_dtype)
-    kernels_wanted = args.device == "cpu" and choice.name in ("float32", "bfloat16")
-    kernels = native.kernels() if kernels_wanted else None
-    reason = native.unavailable_reason()
-    check_quantization(args.quantization, torch.device(args.device), kernels, reason)
+    device = torch.device(args.device)
+    kernels, reason = native.kernels_for(device, choice.dtype)
+    check_quantization(args.quantization, device, kernels, reason)
     lines = [f"dtype: {choice.name} ({choice.reason})"]
     if choice.warning:
         lines.append(f"warning: {choice.warning}")
     if args.quantization == "int8":
         lines.append("weights: int8, one scale per output channel (--quantization int8)")
-    if args.device == "cpu":
-        lines.append(
-            "CPU kernels: paged attention, matmuls and small ops in stages/cpu_kernels.c"
-            if kernels
-            else f"CPU kernels: off ({reason}); torch's ops instead"
-        )
+    if device.type == "cpu":
+        lines.append(f"CPU kernels: {reason}" if kernels else f"CPU kernels: off ({reason})")
     return lines
 
 

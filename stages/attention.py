@@ -80,15 +80,3 @@ def _decode(
     k, v = kv.view(2, n, key_len, *kv.shape[2:]).transpose(2, 3)  # each [n, h_kv, L, d]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
     return o.squeeze(2)  # [n, h, 1, d] -> [n, h, d]
-
-
-def choose_attention(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """("paged" or "gather", why): paged on a CPU in fp32 or bf16 where the kernels built."""
-    if device.type != "cpu":
-        return "gather", f"the paged kernel is CPU-only; {device.type} gathers for SDPA"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return "gather", f"the paged kernel takes float32 or bfloat16, not {dtype}"
-    reason = native.unavailable_reason()
-    if reason is not None:
-        return "gather", f"the CPU kernels are not available: {reason}"
-    return "paged", "reads the paged KV cache in place (stages/cpu_kernels.c)"

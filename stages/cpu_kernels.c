@@ -246,6 +246,13 @@ static inline void prefetch_page(const char *k, const char *v, int64_t row_bytes
         }
 }
 
+/* Where query vector gh (head gh % nh of the task's group gh / nh) of packed row t starts in
+ * q and out [T, H, D]: the load and the store of a task agree by construction. */
+static inline int64_t query_offset(const Task *task, int64_t t, int gh, int G, int H, int D) {
+    const int head = (task->g0 + gh / task->nh) * G + task->h0 + gh % task->nh;
+    return (t * H + head) * D;
+}
+
 static void attend_task(const Task *task, int elem_bytes, const void *q, const void *kv,
                         void *out, const int32_t *q_start, const int32_t *q_len,
                         const int32_t *ctx_len, const int32_t *table, int table_stride,
@@ -269,11 +276,10 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
 #endif
 
     for (int i = 0; i < task->nrows; i++) {
-        int64_t t = q_start[s_idx] + task->row0 + i;
+        const int64_t t = q_start[s_idx] + task->row0 + i;
         for (int gh = 0; gh < num_groups * nh; gh++) {
-            int r = i * num_groups * nh + gh;
-            int head = (task->g0 + gh / nh) * G + task->h0 + gh % nh;
-            int64_t off = (t * H + head) * D;
+            const int r = i * num_groups * nh + gh;
+            const int64_t off = query_offset(task, t, gh, G, H, D);
             if (elem_bytes == 4) {
                 const float *src = (const float *)q + off;
                 for (int d = 0; d < D; d++) qv[r * D + d] = src[d] * scale;
@@ -338,11 +344,10 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
         }
     }
     for (int i = 0; i < task->nrows; i++) {
-        int64_t t = q_start[s_idx] + task->row0 + i;
+        const int64_t t = q_start[s_idx] + task->row0 + i;
         for (int gh = 0; gh < num_groups * nh; gh++) {
-            int r = i * num_groups * nh + gh;
-            int head = (task->g0 + gh / nh) * G + task->h0 + gh % nh;
-            int64_t off = (t * H + head) * D;
+            const int r = i * num_groups * nh + gh;
+            const int64_t off = query_offset(task, t, gh, G, H, D);
             const float inv = 1.0f / l[r];
             if (elem_bytes == 4) {
                 float *dst = (float *)out + off;

@@ -70,6 +70,13 @@ class KVCache:
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
-        """Store this forward's K and V ([T, h_kv, d]) of local `layer` at `slot_mapping` [T]:
-        one copy for both (ops, not bytes, are what a small GPU batch pays for)."""
-        self.data[layer].index_copy_(1, slot_mapping, torch.stack((k, v)))  # [2, T, h_kv, d]
+        """Store this forward's K and V ([T, h_kv, d]) of local `layer` at `slot_mapping` [T]."""
+        store_kv(self.data[layer], slot_mapping, k, v)
+
+
+def store_kv(
+    kv_layer: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """k, v [T, h_kv, d] into one layer's cache [2, slots, h_kv, d] at slot_mapping [T]: one copy
+    for both (ops, not bytes, are what a small GPU batch pays for)."""
+    kv_layer.index_copy_(1, slot_mapping, torch.stack((k, v)))  # [2, T, h_kv, d]

@@ -43,6 +43,10 @@ class DenseLinear(nn.Module):
             weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
         )  # [N, K]
 
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]  # K
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # [T, K] -> [T, N]
 
@@ -94,6 +98,10 @@ class Int8Linear(nn.Module):
         qweight, scale = quantize_int8(weight.detach().float())
         self.register_buffer("qweight", qweight)  # [N, K] int8
         self.register_buffer("scale", scale)  # [N] fp32
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]  # K
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.linear_int8(x.float(), self.qweight, self.scale)  # [T, N] fp32

@@ -39,15 +39,13 @@ class Kind:
     pack: bool = False  # fp32 on a CPU: keep oneDNN's prepacked copy too (stages/linear.py)
 
     @classmethod
-    def for_device(
+    def build(
         cls,
-        device: torch.device,
         kernels: NativeKernels | None = None,
         quantization: str = "none",
         pack: bool = False,
     ) -> Kind:
-        if device.type != "cpu":
-            kernels = None
+        """`kernels` from native.kernels_for (None: torch's ops throughout)."""
         return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization, pack)
 
     def linear(self, weight: torch.Tensor) -> nn.Module:
@@ -148,7 +146,7 @@ class LlamaStage(nn.Module):
         self.is_last_stage = end == config.num_layers
         norm = weights[f"model.layers.{start}.input_layernorm.weight"]
         self.dtype, self.device = norm.dtype, norm.device
-        kind = kind or Kind.for_device(self.device)
+        kind = kind or Kind.build()
         self.ops = kind.ops
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, f"model.layers.{i}.", kind) for i in range(start, end)

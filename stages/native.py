@@ -11,7 +11,8 @@ compiler and this CPU's feature flags, and reused afterwards.
 The kernels use OpenMP and link `libgomp.so.1` by soname; torch has already loaded its own
 copy under that soname, so the kernels run on torch's thread pool with torch's thread count.
 With no C compiler, or `PPRING_NATIVE_KERNELS=0`, `kernels()` returns None and the stage runs
-the torch path (gather + SDPA, F.linear); `unavailable_reason()` says why, for the start-up log.
+the torch path (gather + SDPA, F.linear). `kernels_for(device, dtype)` is the one place that
+decides whether a stage uses them, and says why not, for the start-up log.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120
 
-_i32p = ctypes.POINTER(ctypes.c_int32)
 _vp = ctypes.c_void_p
 
 
@@ -254,6 +254,20 @@ def kernels() -> NativeKernels | None:
     """The kernels, built on first use; None where they cannot be (see unavailable_reason)."""
     kernels_or_reason = _load()
     return kernels_or_reason if isinstance(kernels_or_reason, NativeKernels) else None
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple[NativeKernels | None, str]:
+    """The kernels a stage on `device` computing in `dtype` uses (None: torch's ops), and why,
+    for the start-up log. The one place that decides: attention, the matmuls and the small ops
+    all follow it."""
+    if device.type != "cpu":
+        return None, f"they are CPU-only; {device.type} runs torch's ops"
+    if dtype not in _ELEM_BYTES:
+        return None, f"they take float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    reason = unavailable_reason()
+    if reason is not None:
+        return None, f"they are not available: {reason}"
+    return kernels(), "paged attention, matmuls and small ops in stages/cpu_kernels.c"
 
 
 def unavailable_reason() -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from stages.kv_cache import store_kv
 from stages.native import NativeKernels
 
 
@@ -56,9 +57,7 @@ class TorchOps:
         )
         q = apply_rope(q.view(num_tokens, num_heads, head_dim), cos, sin)  # [T, h, d]
         k = apply_rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
-        v = v.view(num_tokens, num_kv_heads, head_dim)
-        # One copy for K and V (ops, not bytes, are what a small GPU batch pays for).
-        kv_layer.index_copy_(1, slot_mapping, torch.stack((k, v)))  # [2, T, h_kv, d]
+        store_kv(kv_layer, slot_mapping, k, v.view(num_tokens, num_kv_heads, head_dim))
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -67,42 +66,21 @@ class TorchOps:
 
 
 class NativeOps:
-    """The same ops as TorchOps, one kernel call each (CPU, float32 or bfloat16)."""
+    """The same ops as TorchOps, one kernel call each (CPU, float32 or bfloat16): the kernels'
+    own methods, which take the same arguments."""
 
     name = "native"
 
     def __init__(self, kernels: NativeKernels) -> None:
-        self.kernels = kernels
+        self.add_rms_norm = kernels.add_rms_norm
+        self.rope_store = kernels.rope_store
+        self.silu_mul = kernels.silu_mul
 
     def rope_tables(
         self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, d] fp32: the kernel rotates in fp32 and rounds once."""
+        """cos, signed sin [T, d] fp32; the kernel rounds them to the dtype where it must."""
         return _rope_fp32(positions, inv_freq)
-
-    def add_rms_norm(
-        self,
-        h: torch.Tensor,
-        residual: torch.Tensor | None,
-        weight: torch.Tensor,
-        eps: float,
-        h_is_scratch: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernels.add_rms_norm(h, residual, weight, eps, h_is_scratch)
-
-    def rope_store(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_layer: torch.Tensor,
-        num_heads: int,
-    ) -> torch.Tensor:
-        return self.kernels.rope_store(qkv, cos, sin, slot_mapping, kv_layer, num_heads)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.kernels.silu_mul(gate_up)
 
 
 Ops = TorchOps | NativeOps

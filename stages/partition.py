@@ -74,11 +74,14 @@ class StageCosts:
             last_extra=decode_share * (2 * vocab * d + 8 * vocab) + 10 * d,
         )
 
+    def stage_cost(self, rank: int, num_layers: int, pp_size: int) -> float:
+        """What stage `rank` of `pp_size` costs when it holds `num_layers` layers."""
+        cost = num_layers * self.layer
+        cost += self.first_extra if rank == 0 else 0.0
+        return cost + (self.last_extra if rank == pp_size - 1 else 0.0)
+
     def stage_costs(self, partition: list[int]) -> list[float]:
-        costs = [n * self.layer for n in partition]
-        costs[0] += self.first_extra
-        costs[-1] += self.last_extra
-        return costs
+        return [self.stage_cost(r, n, len(partition)) for r, n in enumerate(partition)]
 
     def shares(self, partition: list[int]) -> list[float]:
         """Each stage's share of the whole step's cost (they sum to 1)."""
@@ -92,11 +95,6 @@ def cost_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int
     programming over (stages, layers so far), twice."""
     _check_sizes(num_layers, pp_size)
 
-    def stage_cost(stage: int, layers: int) -> float:
-        cost = layers * costs.layer
-        cost += costs.first_extra if stage == 0 else 0.0
-        return cost + (costs.last_extra if stage == pp_size - 1 else 0.0)
-
     def solve(combine, cap: float) -> list[int]:
         # best[s][n]: the best value for stages 0..s-1 holding the first n layers
         inf = float("inf")
@@ -106,7 +104,7 @@ def cost_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int
         for s in range(1, pp_size + 1):
             for n in range(s, num_layers - (pp_size - s) + 1):
                 for k in range(1, n - s + 2):  # stage s-1 takes k layers
-                    cost = stage_cost(s - 1, k)
+                    cost = costs.stage_cost(s - 1, k, pp_size)
                     if cost > cap or best[s - 1][n - k] == inf:
                         continue
                     value = combine(best[s - 1][n - k], cost)
@@ -118,7 +116,7 @@ def cost_partition(num_layers: int, pp_size: int, costs: StageCosts) -> list[int
             n -= choice[s][n]
         return partition[::-1]
 
-    bottleneck = max(stage_cost(s, k) for s, k in enumerate(solve(max, float("inf"))))
+    bottleneck = max(costs.stage_costs(solve(max, float("inf"))))
     return solve(lambda total, cost: total + cost * cost, bottleneck * (1 + 1e-12))
 
 

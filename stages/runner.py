@@ -25,7 +25,6 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages import native
-from stages.attention import choose_attention
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
 from stages.dtype import resolve_dtype
@@ -152,10 +151,8 @@ class StageRunner(Stage):
         else:
             self.dtype = to_torch_dtype(dtype)
         self.log_prefix = f"[pp{rank}]" if rank is not None else f"[L{start_layer}-{end_layer}]"
-        kernels = None
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            kernels = native.kernels()
-        check_quantization(quantization, self.device, kernels, native.unavailable_reason())
+        kernels, kernels_reason = native.kernels_for(self.device, self.dtype)
+        check_quantization(quantization, self.device, kernels, kernels_reason)
         self.quantization = quantization
         weights = load_stage_weights(
             model_dir, self.config, start_layer, end_layer, self.dtype, self.device
@@ -167,19 +164,20 @@ class StageRunner(Stage):
             and quantization == "none"
             and should_pack(sum(t.numel() * t.element_size() for t in weights.tensors.values()))
         )
-        kind = Kind.for_device(self.device, kernels, quantization, pack)
+        kind = Kind.build(kernels, quantization, pack)
         self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer, kind)
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
         # What `run` does with the layers' output is fixed by the role, chosen once here.
         self._finish = self._sample if self.is_last_stage else self._hand_on
-        self.attention, attention_reason = choose_attention(self.device, self.dtype)
+        # Where the kernels run, attention reads the paged cache in place; elsewhere torch
+        # gathers each context's K and V for SDPA (stages/attention.py).
+        self.attention = "paged" if kernels is not None else "gather"
         logger.info(
-            "%s attention: %s, %s; small ops: %s; weights: %s",
+            "%s CPU kernels: %s; attention: %s; weights: %s",
             self.log_prefix,
+            kernels_reason if kernels is None else "on",
             self.attention,
-            attention_reason,
-            kind.ops.name,
             "int8 (per-channel scales)"
             if quantization == "int8"
             else "fp32, with oneDNN's prepacked copy for batches of rows"
