@@ -101,7 +101,11 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
     modules = matmul_modules(runner)
     widths = {m.in_features for m in modules}
     inputs = {k: torch.randn(batch, k, device=runner.device).to(runner.dtype) for k in widths}
-    weights = [getattr(m, "weight", None) for m in modules]
+    # F.linear's reference needs the plain [N, K] weights: packed ones are unpacked for it
+    weights = [
+        m.dense_weight() if hasattr(m, "dense_weight") else getattr(m, "weight", None)
+        for m in modules
+    ]
 
     def median(fn: Any) -> float:
         with torch.inference_mode():
@@ -194,9 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     weight_bytes = runner.parameter_bytes
     # A decode step reads every weight once, except an untied embedding table: of that it
     # reads only the B rows of this step's tokens.
-    embed = runner.model.embed_tokens
+    embed = runner.model.embed_tokens  # None: the lm_head serves the lookup (tied)
     head = getattr(runner.model.lm_head, "weight", None)
-    untied_embedding = 0 if head is embed else embed.numel() * embed.element_size()
+    untied_embedding = 0 if embed is None or head is embed else embed.numel() * embed.element_size()
     read_bytes = weight_bytes - untied_embedding
     # A copy several times any cache: 1/8 of the weights, at least 256 MiB, at most 4 GiB.
     copy_mib = args.copy_mib or min(4096, max(256, weight_bytes // 8 // 2**20))

@@ -1,5 +1,5 @@
-/* ppring's CPU kernels: attention that reads the paged KV cache in place, and the matrix-vector
- * products of a small decode batch (fp32 and weight-only int8).
+/* ppring's CPU kernels: attention that reads the paged KV cache in place, fp32 matmuls over
+ * weights packed in panels, and the matrix-vector products of weight-only int8.
  *
  * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes with the data pointers of contiguous tensors; nothing here allocates a tensor or holds a
@@ -445,77 +445,6 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* One input row against one weight row, four sums of eight lanes: for a single input the
- * weights are then read as one sequential stream per thread, which the hardware prefetcher
- * follows at full speed (27 GB/s a core here); reading four rows side by side did not (13). */
-static inline float dot1_f32(const float *x, const float *w, int K) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int k = 0;
-    for (; k + 32 <= K; k += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), _mm256_loadu_ps(w + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), _mm256_loadu_ps(w + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), _mm256_loadu_ps(w + k + 24), a3);
-    }
-    for (; k + 8 <= K; k += 8)
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(w + k), a0);
-    float sum = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; k < K; k++) sum += x[k] * w[k];
-    return sum;
-}
-#define HAVE_DOT1_F32
-
-#define DOT4_AVX2(WTYPE, NAME, LOAD8)                                                          \
-    static inline void NAME(const float *x, const WTYPE *w0, const WTYPE *w1, const WTYPE *w2, \
-                            const WTYPE *w3, int K, float out[4]) {                            \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
-        int k = 0;                                                                             \
-        for (; k + 8 <= K; k += 8) {                                                           \
-            const __m256 xk = _mm256_loadu_ps(x + k);                                          \
-            a0 = _mm256_fmadd_ps(xk, LOAD8(w0 + k), a0);                                       \
-            a1 = _mm256_fmadd_ps(xk, LOAD8(w1 + k), a1);                                       \
-            a2 = _mm256_fmadd_ps(xk, LOAD8(w2 + k), a2);                                       \
-            a3 = _mm256_fmadd_ps(xk, LOAD8(w3 + k), a3);                                       \
-        }                                                                                      \
-        _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));                                             \
-        for (; k < K; k++) {                                                                   \
-            out[0] += x[k] * (float)w0[k], out[1] += x[k] * (float)w1[k];                      \
-            out[2] += x[k] * (float)w2[k], out[3] += x[k] * (float)w3[k];                      \
-        }                                                                                      \
-    }
-DOT4_AVX2(float, dot4_f32, _mm256_loadu_ps)
-
-/* Two inputs by four weight rows: eight sums, each weight vector loaded once for both inputs
- * and each input vector once for the four rows (6 loads per 8 FMAs). */
-#define DOT2X4_AVX2(WTYPE, NAME, LOAD8)                                                        \
-    static inline void NAME(const float *x0, const float *x1, const WTYPE *w0,                 \
-                            const WTYPE *w1, const WTYPE *w2, const WTYPE *w3, int K,          \
-                            float out0[4], float out1[4]) {                                    \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                           \
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;                                             \
-        int k = 0;                                                                             \
-        for (; k + 8 <= K; k += 8) {                                                           \
-            const __m256 u = _mm256_loadu_ps(x0 + k), v = _mm256_loadu_ps(x1 + k);             \
-            __m256 w = LOAD8(w0 + k);                                                          \
-            a0 = _mm256_fmadd_ps(u, w, a0), b0 = _mm256_fmadd_ps(v, w, b0);                    \
-            w = LOAD8(w1 + k);                                                                 \
-            a1 = _mm256_fmadd_ps(u, w, a1), b1 = _mm256_fmadd_ps(v, w, b1);                    \
-            w = LOAD8(w2 + k);                                                                 \
-            a2 = _mm256_fmadd_ps(u, w, a2), b2 = _mm256_fmadd_ps(v, w, b2);                    \
-            w = LOAD8(w3 + k);                                                                 \
-            a3 = _mm256_fmadd_ps(u, w, a3), b3 = _mm256_fmadd_ps(v, w, b3);                    \
-        }                                                                                      \
-        _mm_storeu_ps(out0, hsum4(a0, a1, a2, a3));                                            \
-        _mm_storeu_ps(out1, hsum4(b0, b1, b2, b3));                                            \
-        for (; k < K; k++) {                                                                   \
-            out0[0] += x0[k] * (float)w0[k], out0[1] += x0[k] * (float)w1[k];                  \
-            out0[2] += x0[k] * (float)w2[k], out0[3] += x0[k] * (float)w3[k];                  \
-            out1[0] += x1[k] * (float)w0[k], out1[1] += x1[k] * (float)w1[k];                  \
-            out1[2] += x1[k] * (float)w2[k], out1[3] += x1[k] * (float)w3[k];                  \
-        }                                                                                      \
-    }
-DOT2X4_AVX2(float, dot2x4_f32, _mm256_loadu_ps)
-
 /* int8 weights against int16 activations: vpmaddwd multiplies 16 pairs and adds neighbours
  * into 8 int32 lanes, a third of the instructions of widening int8 to fp32 for an FMA. The
  * int32 sums are moved into fp32 every I8_FLUSH steps of 16 (|sum| < 2^31 holds for
@@ -672,7 +601,6 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
         }                                                                                      \
         out[0] = a0, out[1] = a1, out[2] = a2, out[3] = a3;                                    \
     }
-DOT4(float, dot4_f32)
 DOT4(int8_t, dot4_i8)
 
 #define DOT2X4(WTYPE, NAME, DOT4NAME)                                                          \
@@ -682,14 +610,13 @@ DOT4(int8_t, dot4_i8)
         DOT4NAME(x0, w0, w1, w2, w3, K, out0);                                                 \
         DOT4NAME(x1, w0, w1, w2, w3, K, out1);                                                 \
     }
-DOT2X4(float, dot2x4_f32, dot4_f32)
 DOT2X4(int8_t, dot2x4_i8, dot4_i8)
 #endif
 
-/* y[M, N] = (x[M, K] @ W[N, K]^T) * scale[N] (scale NULL: 1), for weights in fp32 or int8 (one
- * fp32 scale per output channel: weight-only int8). Threads split the output channels in quads
- * of four weight rows; a quad (4 K values, in L1) is used for every input row, two at a time,
- * so the weights are read from memory once per call whatever M is. */
+/* y[M, N] = (x[M, K] @ W[N, K]^T) * scale[N] for int8 weights (one fp32 scale per output
+ * channel), portable C. Threads split the output channels in quads of four weight rows; a quad
+ * (4 K values, in L1) is used for every input row, two at a time, so the weights are read from
+ * memory once per call whatever M is. */
 #define LINEAR(WTYPE, NAME, DOT4NAME, DOT2X4NAME)                                              \
     static void NAME(const float *x, const WTYPE *w, const float *scale, float *y, int M, int N, \
               int K) {                                                                         \
@@ -720,21 +647,6 @@ DOT2X4(int8_t, dot2x4_i8, dot4_i8)
             }                                                                                  \
         }                                                                                      \
     }
-LINEAR(float, linear_f32_rows, dot4_f32, dot2x4_f32)
-
-/* y[M, N] = x[M, K] @ W[N, K]^T in fp32 (scale: NULL, or one per output channel). */
-void ppr_linear_f32(const float *x, const float *w, const float *scale, float *y, int M, int N,
-                    int K) {
-#ifdef HAVE_DOT1_F32
-    if (M == 1) { /* one sequential stream per thread: see dot1_f32 */
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++)
-            y[n] = dot1_f32(x, w + (int64_t)n * K, K) * (scale ? scale[n] : 1.0f);
-        return;
-    }
-#endif
-    linear_f32_rows(x, w, scale, y, M, N, K);
-}
 #ifndef HAVE_INT8_LINEAR /* portable: int8 widened to fp32 inside the dot products */
 LINEAR(int8_t, linear_int8_rows, dot4_i8, dot2x4_i8)
 void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, int M, int N,
@@ -742,6 +654,158 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
     linear_int8_rows(x, w, scale, y, M, N, K);
 }
 #endif
+
+/* ---- fp32 matmul over weights packed in panels of 16 output channels ----
+ *
+ * panels [P, K, 16], P = ceil(N / 16): panels[p][k][j] = W[16p + j][k] (zero past N). One panel
+ * is a contiguous stream of K * 64 bytes, read from memory once per call: every block of up to
+ * six input rows then reuses it from L1/L2. A block keeps its 6 x 16 outputs in twelve AVX2
+ * accumulators and, per k, loads two weight vectors and broadcasts six inputs: 8 loads per 12
+ * FMAs, the shape BLIS uses on AVX2. Against oneDNN's prepacked weights (the previous path for
+ * more than 4 rows) and this file's earlier row-major kernel, over every matmul of a SmolLM2
+ * layer streamed from memory on the 2-core EPYC (ms, median): 1 thread, 15 layers: 1 row
+ * 13 vs 22 (oneDNN), 16 rows 38 vs 49, 32 rows 60 vs 75; 2 threads, 30 layers: 1 row 20 vs 22
+ * (the row-major kernel), 4 rows 22 vs 41, 32 rows 63 vs 79, 128 rows (10 layers) 79 vs 92,
+ * 512 rows 267 vs 284. Each output is one FMA chain over k in order. */
+#define PANEL 16
+#define MAX_BLOCK_ROWS 6
+int ppr_panel_width(void) { return PANEL; }
+
+void ppr_pack_f32(const float *w, float *panels, int N, int K) {
+    const int num_panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < num_panels; p++)
+        for (int k = 0; k < K; k++)
+            for (int j = 0; j < PANEL; j++) {
+                const int n = p * PANEL + j;
+                panels[((int64_t)p * K + k) * PANEL + j] = n < N ? w[(int64_t)n * K + k] : 0.0f;
+            }
+}
+
+/* y[rows, cols] (row stride ldy) = x[rows, K] (row stride K) @ panel[K, 16]; rows is a
+ * constant after inlining, so the accumulators stay in registers. `next` (or NULL): the next
+ * panel, fetched into cache one line per k while this one is multiplied. */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel,
+                                                              int K, float *y, int64_t ldy,
+                                                              int cols, const int rows,
+                                                              const char *next) {
+#if defined(__AVX2__) && defined(__FMA__)
+    /* Named accumulators: as an array, gcc kept them on the stack and stored all twelve every k
+     * (1.7x slower at 32 rows). Rows past `rows` are dead code after inlining. */
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0;
+    __m256 a3 = a0, b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
+#define PANEL_ROW(r)                                                                           \
+    if (rows > r) {                                                                            \
+        const __m256 xr = _mm256_broadcast_ss(x + (int64_t)r * K + k);                        \
+        a##r = _mm256_fmadd_ps(xr, w0, a##r);                                                  \
+        b##r = _mm256_fmadd_ps(xr, w1, b##r);                                                  \
+    }
+    for (int k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(panel + (int64_t)k * PANEL);
+        const __m256 w1 = _mm256_loadu_ps(panel + (int64_t)k * PANEL + 8);
+        if (next) __builtin_prefetch(next + (int64_t)k * PANEL * sizeof(float));
+        PANEL_ROW(0) PANEL_ROW(1) PANEL_ROW(2) PANEL_ROW(3) PANEL_ROW(4) PANEL_ROW(5)
+    }
+#undef PANEL_ROW
+    const __m256 acc[MAX_BLOCK_ROWS][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
+    for (int r = 0; r < rows; r++) {
+        float *yr = y + (int64_t)r * ldy;
+        if (cols == PANEL) {
+            _mm256_storeu_ps(yr, acc[r][0]);
+            _mm256_storeu_ps(yr + 8, acc[r][1]);
+        } else {
+            float out[PANEL];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            memcpy(yr, out, sizeof(float) * cols);
+        }
+    }
+#else
+    float acc[MAX_BLOCK_ROWS][PANEL] = {{0}};
+    (void)next;
+    for (int k = 0; k < K; k++) {
+        const float *wk = panel + (int64_t)k * PANEL;
+        for (int r = 0; r < rows; r++) {
+            const float xr = x[(int64_t)r * K + k];
+#pragma omp simd
+            for (int j = 0; j < PANEL; j++) acc[r][j] += xr * wk[j];
+        }
+    }
+    for (int r = 0; r < rows; r++) memcpy(y + (int64_t)r * ldy, acc[r], sizeof(float) * cols);
+#endif
+}
+
+/* One row: the panel streams once and is the whole cost, so four k at a time go to four
+ * accumulator pairs (a single pair is a chain of dependent FMAs that cannot keep up with the
+ * stream: measured 29 ms a SmolLM2 step against 20 with four). */
+static inline void panel_row(const float *x, const float *panel, int K, float *y, int cols,
+                             const char *next) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w = panel + (int64_t)k * PANEL;
+        if (next) {
+            const char *n = next + (int64_t)k * PANEL * sizeof(float);
+            __builtin_prefetch(n), __builtin_prefetch(n + 64), __builtin_prefetch(n + 128);
+            __builtin_prefetch(n + 192);
+        }
+        __m256 xk = _mm256_broadcast_ss(x + k);
+        a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w), a0);
+        b0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 8), b0);
+        xk = _mm256_broadcast_ss(x + k + 1);
+        a1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 16), a1);
+        b1 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 24), b1);
+        xk = _mm256_broadcast_ss(x + k + 2);
+        a2 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 32), a2);
+        b2 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 40), b2);
+        xk = _mm256_broadcast_ss(x + k + 3);
+        a3 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 48), a3);
+        b3 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w + 56), b3);
+    }
+    for (; k < K; k++) {
+        const __m256 xk = _mm256_broadcast_ss(x + k);
+        a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(panel + (int64_t)k * PANEL), a0);
+        b0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(panel + (int64_t)k * PANEL + 8), b0);
+    }
+    float out[PANEL];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+    memcpy(y, out, sizeof(float) * cols);
+#else
+    panel_block(x, panel, K, y, 0, cols, 1, next);
+#endif
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T, W given as panels (ppr_pack_f32). Threads split the panels;
+ * the rows go in blocks of equal size, at most six (16 rows: 6, 5, 5; 8 rows: 4, 4), since a
+ * block of one or two rows has too few accumulators to hide the FMA latency. */
+void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N, int K) {
+    const int num_panels = (N + PANEL - 1) / PANEL;
+    const int num_blocks = (M + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < num_panels; p++) {
+        const float *panel = panels + (int64_t)p * K * PANEL;
+        const char *next = p + 1 < num_panels ? (const char *)(panel + (int64_t)K * PANEL) : NULL;
+        const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+        int m = 0;
+        for (int b = 0; b < num_blocks; b++) {
+            const int rows = M / num_blocks + (b < M % num_blocks);
+            const float *xb = x + (int64_t)m * K;
+            float *yb = y + (int64_t)m * N + p * PANEL;
+            const char *pf = b == 0 ? next : NULL; /* the first pass streams: fetch ahead */
+            switch (rows) {
+            case 1: panel_row(xb, panel, K, yb, cols, pf); break;
+            case 2: panel_block(xb, panel, K, yb, N, cols, 2, pf); break;
+            case 3: panel_block(xb, panel, K, yb, N, cols, 3, pf); break;
+            case 4: panel_block(xb, panel, K, yb, N, cols, 4, pf); break;
+            case 5: panel_block(xb, panel, K, yb, N, cols, 5, pf); break;
+            default: panel_block(xb, panel, K, yb, N, cols, 6, pf); break;
+            }
+            m += rows;
+        }
+    }
+}
 
 /* ---- the small ops around the matmuls: one call each instead of five to ten torch ops ---- */
 

@@ -3,16 +3,13 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 
 - `DenseLinear`: torch's F.linear (cuBLAS on a GPU; oneDNN on a CPU in bf16, which uses AMX or
   AVX-512 BF16 where the CPU has them).
-- `CpuLinear` (CPU, fp32): `cpu_kernels.c` for a few rows, where the kernel streams each
-  weight row once (a single row at 27-30 GB/s, where MKL's sgemv read 10.7), and oneDNN with
-  the weight reordered once into its blocked layout ("prepacked", as Inductor's CPU freezing
-  does) for more. Measured on the 2-core EPYC over every matmul of a SmolLM2 step (fp32, ms):
-  1 row: kernel 18, oneDNN 24, MKL 36; 2 rows: 19-21, 24-30, 52-59; 32 rows: 71-83, 64-78,
-  80-104; 128 rows: -, 188-210, 216-229; 512 rows: -, 706-792, 806-941. In a whole decode step
-  of 32 sequences the prepacked matmuls took 76 ms where the kernel's took 95-103. The price is
-  a second copy of every weight (plain for the kernel, blocked for oneDNN), so a stage packs
-  only when both fit in a quarter of the machine's memory; otherwise the kernel runs up to
-  KERNEL_MAX_ROWS rows and F.linear (MKL) above.
+- `CpuLinear` (CPU, fp32): `cpu_kernels.c` over the weight packed once, at load, in panels of 16
+  output channels (the only copy held). One kernel for every row count: a panel streams from
+  memory once per call and every block of up to six rows reuses it from cache. It replaced two
+  paths, a row-major kernel for a few rows and oneDNN's prepacked weights (a second copy of
+  every weight) above: over a SmolLM2 step's matmuls on the 2-core EPYC it was 10-45% faster at
+  every row count from 1 to 512 (figures in cpu_kernels.c), and one thread at 16 rows, what a
+  PP=2 stage runs at 32 in flight, gained the most.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -21,18 +18,13 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from stages.errors import ConfigError
-from stages.native import NativeKernels
+from stages.native import PANEL, NativeKernels
 
-KERNEL_MAX_ROWS = 64  # CpuLinear without a packed copy: the kernel up to here, MKL above
-KERNEL_MAX_ROWS_PACKED = 4  # CpuLinear with a packed copy: the kernel up to here, oneDNN above
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -50,45 +42,30 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)  # [T, K] -> [T, N]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, [T, K]: a tied lm_head serves the embedding lookup."""
+        return F.embedding(ids, self.weight)
 
-class CpuLinear(DenseLinear):
-    def __init__(
-        self, weight: torch.Tensor | nn.Parameter, kernels: NativeKernels, pack: bool
-    ) -> None:
-        super().__init__(weight)
+
+class CpuLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, kernels: NativeKernels) -> None:
+        super().__init__()
         self.kernels = kernels
-        # a buffer, so parameter_bytes counts the second copy
-        self.register_buffer("packed", pack_for_onednn(self.weight.detach()) if pack else None)
-        self.kernel_max_rows = KERNEL_MAX_ROWS_PACKED if pack else KERNEL_MAX_ROWS
+        self.out_features, self.in_features = weight.shape  # N, K
+        self.register_buffer("panels", kernels.pack_f32(weight.detach()))  # [ceil(N/16), K, 16]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel_max_rows:
-            return self.kernels.linear_f32(x, self.weight)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+        return self.kernels.linear_f32(x, self.panels, self.out_features)  # [T, K] -> [T, N]
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, [T, K], gathered from the panels (a tied lm_head serves
+        the embedding lookup, so the vocabulary matrix is held once)."""
+        return self.panels[ids // PANEL, :, ids % PANEL]
 
-ONEDNN_BATCH_HINT = 32  # the row count oneDNN picks its blocked layout for; any count runs
-
-
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_BATCH_HINT)
-
-
-@functools.cache
-def onednn_packing_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear (x86 builds do)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.randn(8, 16)
-        y = torch.ops.mkldnn._linear_pointwise(
-            torch.randn(3, 16), pack_for_onednn(w), None, "none", [], ""
-        )
-        return tuple(y.shape) == (3, 8)
-    except (AttributeError, RuntimeError):
-        return False
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [N, K] back from its panels (for tools that compare with F.linear)."""
+        k = self.in_features
+        return self.panels.permute(0, 2, 1).reshape(-1, k)[: self.out_features].contiguous()
 
 
 class Int8Linear(nn.Module):
@@ -120,35 +97,15 @@ def make_linear(
     weight: torch.Tensor | nn.Parameter,
     quantization: str,
     kernels: NativeKernels | None,
-    pack: bool = False,
 ) -> nn.Module:
     """The module for one weight matrix [N, K]; `kernels` None means they are not available (or
-    not wanted: a GPU stage); `pack`: also keep oneDNN's blocked copy (CpuLinear)."""
+    not wanted: a GPU stage)."""
     if quantization == "int8":
         assert kernels is not None  # check_quantization ran at start-up
         return Int8Linear(weight, kernels)
     if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-        return CpuLinear(weight, kernels, pack)
+        return CpuLinear(weight, kernels)
     return DenseLinear(weight)
-
-
-PACK_ENV = "PPRING_PACK_WEIGHTS"  # "0": never keep oneDNN's copy; "1": always
-
-
-def should_pack(weight_bytes: int) -> bool:
-    """Keep a prepacked copy of fp32 CPU weights when both copies fit in a quarter of this
-    machine's memory (or as PPRING_PACK_WEIGHTS says) and oneDNN can run it."""
-    setting = os.environ.get(PACK_ENV)
-    if setting == "0":
-        return False
-    if setting != "1":
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return False
-        if 2 * weight_bytes > memory // 4:
-            return False
-    return onednn_packing_available()
 
 
 def check_quantization(

@@ -1,5 +1,5 @@
 """A Llama pipeline stage: embedding (first stage), layers [start, end), final norm + lm_head
-(last stage). What computes each piece (ppring's CPU kernels, oneDNN, torch) is the stage's
+(last stage). What computes each piece (ppring's CPU kernels, torch) is the stage's
 `Kind`, chosen once when it is built; the layer code is the same for all of them.
 
 The residual add is fused into the next RMSNorm, as in vLLM and SGLang: a layer takes (h, r),
@@ -36,20 +36,18 @@ class Kind:
     ops: Ops
     kernels: NativeKernels | None  # the CPU kernels, where this stage uses them
     quantization: str = "none"
-    pack: bool = False  # fp32 on a CPU: keep oneDNN's prepacked copy too (stages/linear.py)
 
     @classmethod
     def build(
         cls,
         kernels: NativeKernels | None = None,
         quantization: str = "none",
-        pack: bool = False,
     ) -> Kind:
         """`kernels` from native.kernels_for (None: torch's ops throughout)."""
-        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization, pack)
+        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization)
 
     def linear(self, weight: torch.Tensor) -> nn.Module:
-        return make_linear(weight, self.quantization, self.kernels, self.pack)
+        return make_linear(weight, self.quantization, self.kernels)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
@@ -156,16 +154,20 @@ class LlamaStage(nn.Module):
         # First stage embeds the token ids; later stages start from what the previous sent.
         self._begin: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
         if self.is_first_stage:
-            self.embed_tokens = _param(weights.pop(EMBED))  # [V, d]
+            self.embed_tokens: nn.Parameter | None = _param(weights.pop(EMBED))  # [V, d]
             self._begin = self._embed
         else:
             self._begin = self._receive
         if self.is_last_stage:
             self.final_norm = _param(weights.pop(FINAL_NORM))  # [d]
             head = weights.pop(LM_HEAD)
-            # Tied on one stage: reuse the embedding Parameter so the bytes are held once.
             tied = self.is_first_stage and head.data_ptr() == self.embed_tokens.data_ptr()
             self.lm_head = kind.linear(self.embed_tokens if tied else head)  # [V, d]
+            if tied and hasattr(self.lm_head, "rows"):
+                # Tied on one stage: the lm_head (in whatever layout it keeps the matrix) also
+                # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
+                # cannot: the embedding stays exact in its own copy.
+                self.embed_tokens = None
 
     def forward(
         self,
@@ -200,6 +202,8 @@ class LlamaStage(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         if hidden_states is not None or residual is not None:
             raise ValueError("the first stage embeds token ids; it takes no hidden_states")
+        if self.embed_tokens is None:  # tied: the lm_head holds the matrix
+            return self.lm_head.rows(inputs.input_ids), None  # [T, d]
         return F.embedding(inputs.input_ids, self.embed_tokens), None  # [T, d]
 
     def _receive(

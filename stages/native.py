@@ -43,6 +43,7 @@ PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120
 
 _vp = ctypes.c_void_p
+PANEL = 16  # output channels per panel of a packed fp32 weight (cpu_kernels.c's PANEL)
 
 
 class NativeKernels:
@@ -55,14 +56,19 @@ class NativeKernels:
         lib.ppr_block_size.restype = ctypes.c_int
         if lib.ppr_block_size() != BLOCK_SIZE:
             raise RuntimeError(f"{path} was built for another block size")
+        lib.ppr_panel_width.restype = ctypes.c_int
+        if lib.ppr_panel_width() != PANEL:
+            raise RuntimeError(f"{path} was built for another panel width")
         lib.ppr_paged_attention.restype = ctypes.c_int
         lib.ppr_paged_attention.argtypes = [
             ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, _vp, _vp, _vp, _vp,
             ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float,
         ]  # fmt: skip
+        lib.ppr_pack_f32.restype = None
+        lib.ppr_pack_f32.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_f32.restype = None
-        lib.ppr_linear_f32.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_linear_f32.argtypes = [_vp, _vp, _vp] + [ctypes.c_int] * 3
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
         lib.ppr_add_rms_norm.restype = None
@@ -125,14 +131,35 @@ class NativeKernels:
             )
         return out
 
-    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight [N, K]^T -> [M, N], fp32, reading the weight once."""
+    def pack_f32(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] fp32 -> panels [ceil(N / 16), K, 16]: panels[p, k, j] = weight[16p + j, k],
+        zero past N; the layout `linear_f32` reads."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("pack_f32 takes a float32 CPU weight [N, K]")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        panels = torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32)
+        self._lib.ppr_pack_f32(weight.data_ptr(), panels.data_ptr(), n, k)
+        return panels
+
+    def linear_f32(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N], fp32, for W [N, K] packed by `pack_f32` (N = out_features);
+        every panel is read from memory once per call, whatever M is."""
         x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
-        if weight.shape[1] != k or x.dtype != torch.float32 or weight.dtype != torch.float32:
-            raise ValueError("linear_f32 takes float32 x [M, K] and weight [N, K]")
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._lib.ppr_linear_f32(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), m, n, k)
+        m, k = x.shape
+        if (
+            x.dtype != torch.float32
+            or panels.dtype != torch.float32
+            or tuple(panels.shape) != (-(-out_features // PANEL), k, PANEL)
+            or not panels.is_contiguous()
+        ):
+            raise ValueError(
+                f"linear_f32 takes float32 x [M, K] and panels [ceil(N / {PANEL}), K, {PANEL}] "
+                f"from pack_f32; got x {tuple(x.shape)} {x.dtype}, panels "
+                f"{tuple(panels.shape)} {panels.dtype} for N = {out_features}"
+            )
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        self._lib.ppr_linear_f32(x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, out_features, k)
         return y
 
     def linear_int8(

@@ -30,7 +30,7 @@ from stages.config import ModelConfig
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.linear import check_quantization, should_pack
+from stages.linear import check_quantization
 from stages.llama import Kind, LlamaStage
 from stages.partition import layer_range, partition_for_model, partition_layers
 from stages.sampler import GREEDY, sample
@@ -158,13 +158,7 @@ class StageRunner(Stage):
             model_dir, self.config, start_layer, end_layer, self.dtype, self.device
         )
         self.num_tensors_read = weights.num_tensors_read
-        pack = (
-            kernels is not None
-            and self.dtype == torch.float32
-            and quantization == "none"
-            and should_pack(sum(t.numel() * t.element_size() for t in weights.tensors.values()))
-        )
-        kind = Kind.build(kernels, quantization, pack)
+        kind = Kind.build(kernels, quantization)
         self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer, kind)
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
@@ -180,8 +174,8 @@ class StageRunner(Stage):
             self.attention,
             "int8 (per-channel scales)"
             if quantization == "int8"
-            else "fp32, with oneDNN's prepacked copy for batches of rows"
-            if pack
+            else "fp32, packed in panels for the kernels"
+            if kernels is not None and self.dtype == torch.float32
             else "unquantized",
         )
         self._num_kv_blocks = num_blocks_for_budget(
@@ -189,7 +183,7 @@ class StageRunner(Stage):
         )
         self.kv: KVCache | None = None
         logger.info(
-            "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s (%.1f MiB in memory) on %s; "
+            "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s on %s; "
             "KV budget %.1f MiB holds %d blocks (%d tokens)",
             self.log_prefix,
             start_layer,
@@ -197,7 +191,6 @@ class StageRunner(Stage):
             self.num_tensors_read,
             self.parameter_bytes / 2**20,
             str(self.dtype).removeprefix("torch."),
-            self.memory_bytes / 2**20,
             self.device,
             kv_budget_bytes / 2**20,
             self._num_kv_blocks,
@@ -246,20 +239,12 @@ class StageRunner(Stage):
 
     @property
     def parameter_bytes(self) -> int:
-        """Bytes of weights this stage holds (a tied embedding counted once; int8 weights with
-        their scales), one copy each: a step reads one copy, whichever its row count picks."""
-        return self._tensor_bytes(with_packed=False)
-
-    @property
-    def memory_bytes(self) -> int:
-        """What the weights occupy, with oneDNN's prepacked copies (stages/linear.py)."""
-        return self._tensor_bytes(with_packed=True)
-
-    def _tensor_bytes(self, with_packed: bool) -> int:
-        tensors = list(self.model.parameters())
-        for name, buffer in self.model.named_buffers():
-            if buffer is not self.model.inv_freq and (with_packed or not name.endswith("packed")):
-                tensors.append(buffer)
+        """Bytes of weights this stage holds (a tied matrix once; int8 weights with their
+        scales; fp32 panels with their padding to 16 channels): a decode step reads them all,
+        but for an untied embedding, of which it reads only its tokens' rows."""
+        tensors = list(self.model.parameters()) + [
+            b for b in self.model.buffers() if b is not self.model.inv_freq
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -357,6 +342,7 @@ class StageRunner(Stage):
                 [chunks[i].seq_len for i in picked],
                 None if histories is None else [histories[i] for i in picked],
             )
+
 
 
 def empty_seam() -> dict[str, torch.Tensor]:

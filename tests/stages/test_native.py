@@ -31,16 +31,19 @@ def kernels(
     return native.NativeKernels(native.compile_kernels(target, compiler, native.PORTABLE_CFLAGS))
 
 
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 9), (5, 33), (9, 100)])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 9), (5, 33), (9, 100), (33, 17)])
 def test_linear_f32_matches_f_linear_for_every_row_count(
     kernels: native.NativeKernels, n: int, k: int
 ) -> None:
     torch.manual_seed(n * k)
     weight = torch.randn(n, k)
-    for m in [*range(1, 12), 31, 32, 33, 64]:
+    panels = kernels.pack_f32(weight)  # N not a multiple of 16: the last panel is padded
+    assert panels.shape == (-(-n // 16), k, 16)
+    for m in [*range(1, 14), 16, 17, 31, 32, 33, 64, 130]:  # every block split of the rows
         x = torch.randn(m, k)
         expected = F.linear(x, weight)
-        got = kernels.linear_f32(x, weight)
+        got = kernels.linear_f32(x, panels, n)
+        assert got.shape == (m, n)
         assert (got - expected).abs().max().item() < 1e-3 * math.sqrt(k), f"{m} rows"
 
 
@@ -174,21 +177,24 @@ def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels
         kernels.add_rms_norm(h.double(), None, torch.ones(8).double(), 1e-5)
     with pytest.raises(ValueError, match="contiguous"):
         kernels.add_rms_norm(torch.randn(8, 4).t(), None, torch.ones(8), 1e-5)
-    with pytest.raises(ValueError):
-        kernels.linear_f32(torch.randn(2, 8), torch.randn(3, 9))
+    with pytest.raises(ValueError, match="panels"):
+        kernels.linear_f32(torch.randn(2, 8), kernels.pack_f32(torch.randn(3, 9)), 3)
+    with pytest.raises(ValueError, match="panels"):  # N does not match the panels
+        kernels.linear_f32(torch.randn(2, 9), kernels.pack_f32(torch.randn(3, 9)), 17)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.pack_f32(torch.randn(3, 9).double())
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_cpu_linear_matches_f_linear_on_every_path(
-    kernels: native.NativeKernels, pack: bool
-) -> None:
-    from stages.linear import CpuLinear, onednn_packing_available
+def test_cpu_linear_matches_f_linear_and_serves_its_rows(kernels: native.NativeKernels) -> None:
+    from stages.linear import CpuLinear
 
-    if pack and not onednn_packing_available():
-        pytest.skip("this torch build has no oneDNN prepacked linear")
     torch.manual_seed(3)
     weight = torch.randn(70, 48)
-    linear = CpuLinear(weight, kernels, pack)
-    for rows in (1, 3, 4, 5, 32, 64, 65, 130):  # the kernel, oneDNN or MKL, by row count
+    linear = CpuLinear(weight, kernels)
+    assert (linear.in_features, linear.out_features) == (48, 70)
+    assert torch.equal(linear.dense_weight(), weight)
+    for rows in (1, 3, 4, 5, 32, 64, 65, 130):
         x = torch.randn(rows, 48)
         assert (linear(x) - F.linear(x, weight)).abs().max().item() < 1e-4, f"{rows} rows"
+    ids = torch.tensor([0, 69, 15, 16, 33, 0])
+    assert torch.equal(linear.rows(ids), F.embedding(ids, weight))  # a tied embedding's lookup

@@ -7,8 +7,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 import stages.weights as weights_module
+from stages.batch import SeqChunk
 from stages.config import ModelConfig
 from stages.errors import ConfigError
 from stages.runner import StageRunner
@@ -132,7 +134,19 @@ def test_tied_single_stage_holds_the_matrix_once(tiny_dirs: dict[str, Path]) -> 
     whole = StageRunner(folder, 0, 4, kv_budget_bytes=KV_BUDGET)
     untied_names = stage_tensor_names(config, 0, 4)
     assert "lm_head.weight" not in untied_names
-    assert whole.model.lm_head.weight is whole.model.embed_tokens
+    untied = StageRunner(tiny_dirs["gqa"], 0, 4, kv_budget_bytes=KV_BUDGET)
+    vocab_matrix = config.vocab_size * config.hidden_size * 4
+    head_dim = config.hidden_size // config.num_heads
+    # the same shapes but kv_heads (4 here, 2 there): the tied stage holds one vocab matrix
+    kv_extra = config.num_layers * 2 * (4 - 2) * head_dim * config.hidden_size * 4
+    assert whole.parameter_bytes == untied.parameter_bytes - vocab_matrix + kv_extra
+    tokens = [0, 5, config.vocab_size - 1]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([tokens])).logits[0, -1]
+    whole.allocate_kv(whole.num_kv_blocks)
+    got = whole.forward_logits([SeqChunk(tokens, 0, [0], sample=True)])[0]
+    assert (got - expected).abs().max().item() < 1e-4  # the lookup reads the tied matrix
 
 
 def _drop_tensor(src: Path, dst: Path, name: str, config_change: dict | None = None) -> Path:
