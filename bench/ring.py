@@ -28,7 +28,7 @@ from typing import Any
 
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
-from ring.local import RingDriver, ThreadRing
+from ring.harness import RingDriver, ThreadRing
 from ring.loop import ModelInfo
 from ring.sim_stage import SimStage
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ring.local import RingDriver
+from ring.harness import RingDriver
 from ring.topology import RingAddresses
 
 ROOT = Path(__file__).resolve().parent.parent

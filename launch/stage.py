@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         run_id=args.run_id,
     )
 
-    from ring.local import build_links
+    from ring.links import build_links
     from ring.loop import StageLoop
 
     stage, model = build_stage(args, cfg)

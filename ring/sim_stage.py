@@ -19,7 +19,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages.batch import SampleResult, SeqChunk
-from stages.runner import FinishedStep, Stage, StageOutput
+from stages.contract import FinishedStep, Stage, StageOutput, StepHandle
 
 SIM_VOCAB = 50_000
 SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
@@ -156,7 +156,7 @@ class SimStage(Stage):
 
 
 @dataclass
-class SimForward:
+class SimForward(StepHandle):
     """A simulated forward in progress: `wait()` returns its output once it has ended."""
 
     stage: SimStage

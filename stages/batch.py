@@ -46,6 +46,14 @@ class SampleResult:
     # temperature and filters, as vLLM and SGLang report by default); None when no chunk asked.
     logprobs: list[float] | None = None
 
+    # A `stages.contract.Sample` that is ready at once: the loop treats these and tokens still
+    # on their way from a device alike.
+    def is_ready(self) -> bool:
+        return True
+
+    def wait(self) -> SampleResult:
+        return self
+
 
 def blocks_needed(num_tokens: int) -> int:
     """KV blocks that hold `num_tokens` tokens of one sequence."""

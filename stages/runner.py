@@ -1,23 +1,11 @@
-"""A pipeline stage as the ring's event loop sees it: `Stage`, and the real one, `StageRunner`.
-
-The ring drives any `Stage` the same way:
-
-    stage.num_kv_blocks           # what this stage could hold; the ring agrees the minimum
-    stage.allocate_kv(agreed)     # once, before the first run
-    out = stage.run(chunks, **previous_out)   # every step, or:
-    pending = stage.launch(chunks, **previous_out); ...; out = pending.wait()
-
-A non-last stage returns {"hidden_states": [T, d], "residual": [T, d]}, the seam payload the
-next stage's `run` takes as keyword arguments; the last stage returns a `SampleResult` with one
-token per chunk whose `sample` flag is set. The ring's simulated stage implements the same
-interface without a model.
+"""The real pipeline stage, `StageRunner`: loads its own layers from a Hugging Face folder and
+runs them (the contract it implements, `Stage`, is in stages/contract.py; the ring's simulated
+stage implements the same one without a model).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +15,7 @@ from protocol.sampling import SamplingParams
 from stages import native
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
+from stages.contract import Stage, StageOutput
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
@@ -37,85 +26,6 @@ from stages.sampler import GREEDY, sample
 from stages.weights import load_stage_weights, to_torch_dtype
 
 logger = logging.getLogger(__name__)
-
-StageOutput = dict[str, torch.Tensor] | SampleResult
-
-
-class FinishedStep:
-    """A step that already ran: `launch`'s handle for a stage that computes on this CPU.
-
-    Any handle has `wait()`, and attributes for the loop: `overlaps` (the step is still
-    running, so the loop prepares the next one meanwhile), `ready_at` (the time.monotonic() at
-    which `wait()` should return at once; the loop reads its link until then instead of
-    sleeping), `early_output` (a non-last stage's seam tensors, which exist before the device
-    has filled them, so the proxy's header can be encoded early; None for sampled tokens) and,
-    after `wait()`,
-    `ended_at` (when the step's computation ended: the stage's busy time)."""
-
-    overlaps = False
-    ready_at = 0.0
-
-    def __init__(self, output: StageOutput) -> None:
-        self.output = output
-        self.early_output = output if isinstance(output, dict) else None  # seam tensors only
-        self.ended_at = time.monotonic()
-
-    def wait(self) -> StageOutput:
-        return self.output
-
-
-class Stage(ABC):
-    """One pipeline stage: layers [start_layer, end_layer) and their KV cache."""
-
-    is_first_stage: bool
-    is_last_stage: bool
-
-    @property
-    @abstractmethod
-    def num_kv_blocks(self) -> int:
-        """KV blocks this stage can hold within its budget (before the ring agrees a minimum)."""
-
-    @abstractmethod
-    def allocate_kv(self, num_blocks: int) -> None:
-        """Build the KV cache with the agreed block count (<= num_kv_blocks), before the first
-        run. Calling it again replaces the cache (and forgets what it held)."""
-
-    @abstractmethod
-    def run(
-        self,
-        chunks: list[SeqChunk],
-        hidden_states: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-        sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
-    ) -> StageOutput:
-        """Run one step on `chunks`.
-
-        hidden_states, residual: [T, d] from the previous stage (None on the first stage).
-        sampling, histories: last stage only, one entry per chunk (entries of chunks that do
-        not sample are ignored); sampling None means greedy; a history (prompt + output ids so
-        far) is needed only by a request with a repetition penalty. A seeded request's draw
-        depends only on (seed, chunk.seq_len), never on the rest of the batch.
-
-        Tensors passed in are only read, so they may be read-only views of received frames;
-        tensors returned are fresh each call and never written again by the stage, so they may
-        be handed to the transport without a copy.
-        """
-
-    def launch(
-        self,
-        chunks: list[SeqChunk],
-        hidden_states: torch.Tensor | None = None,
-        residual: torch.Tensor | None = None,
-        sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
-    ) -> FinishedStep:
-        """Start `run` and return a handle whose `wait()` gives its output. The ring prepares
-        its next step between the two (SGLang's overlap: the CPU schedules while the device
-        computes). A stage whose forward runs on this process's own cores, like StageRunner on
-        CPU, gains nothing from that overlap (the bookkeeping would only steal cores from the
-        matmuls), so by default the step runs here and the handle is already finished."""
-        return FinishedStep(self.run(chunks, hidden_states, residual, sampling, histories))
 
 
 class StageRunner(Stage):
@@ -342,10 +252,3 @@ class StageRunner(Stage):
                 [chunks[i].seq_len for i in picked],
                 None if histories is None else [histories[i] for i in picked],
             )
-
-
-
-def empty_seam() -> dict[str, torch.Tensor]:
-    """The seam payload of an empty micro-batch: the ring still sends one per step (its steps
-    must stay consecutive), but no stage runs a forward for it."""
-    return {"hidden_states": torch.empty(0, 0), "residual": torch.empty(0, 0)}

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
-from ring.local import ThreadRing
+from ring.harness import ThreadRing
 from ring.loop import ModelInfo
 from ring.sim_stage import SimStage, expected_token
 

@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
-from ring.local import ThreadRing
+from ring.harness import ThreadRing
 from ring.loop import ModelInfo
 from stages.partition import layer_range
 from stages.runner import StageRunner

@@ -1,7 +1,8 @@
-"""Build a stage's links, and run a whole ring as threads of one process (fast tests, benches).
-
-The thread ring uses the same `StageLoop` and channels as the process ring; only the transport
-differs (`inproc://` in one ZeroMQ context instead of `tcp://`).
+"""The ring without the frontend, for tests and benches (not for serving): `RingDriver`, which
+stands in for the frontend on stage 0's intake and deltas sockets, and `ThreadRing`, a whole
+ring as threads of one process. The thread ring runs the same `StageLoop` and channels as the
+process ring; only the transport differs (`inproc://` in one ZeroMQ context instead of
+`tcp://`).
 """
 
 from __future__ import annotations
@@ -18,36 +19,11 @@ from protocol.channels import ChannelTimeout, PullChannel, PushChannel
 from protocol.messages import Ctrl, Deltas, NewRequest, Reqs, RequestDelta
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
-from ring.loop import Links, ModelInfo, StageLoop
+from ring.control import ModelInfo
+from ring.links import bind_links, connect_links
+from ring.loop import StageLoop
 from ring.topology import RingAddresses
-from stages.runner import Stage
-
-
-def bind_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
-    """This stage's receiving ends: its PULL from the predecessor; stage 0 also the intake."""
-    links = Links()
-    if cfg.pp_size > 1:
-        links.prev = PullChannel(addrs.stage(cfg.rank), ctx=ctx)
-    if cfg.is_first_stage:
-        links.intake = PullChannel(addrs.intake(), ctx=ctx)
-    return links
-
-
-def connect_links(
-    links: Links, cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None
-) -> Links:
-    """This stage's sending ends: its PUSH to the next stage; stage 0 also the deltas."""
-    if cfg.pp_size > 1:
-        links.next = PushChannel(addrs.next_stage(cfg.rank), ctx=ctx)
-    if cfg.is_first_stage:
-        links.deltas = PushChannel(addrs.deltas(), ctx=ctx)
-    return links
-
-
-def build_links(cfg: RingConfig, addrs: RingAddresses, ctx: zmq.Context | None = None) -> Links:
-    """Both ends at once. Over tcp, connecting before the peer binds is fine: start-up order
-    is free."""
-    return connect_links(bind_links(cfg, addrs, ctx), cfg, addrs, ctx)
+from stages.contract import Stage
 
 
 class RingDriver:
@@ -61,10 +37,6 @@ class RingDriver:
         self.finished: dict[str, RequestDelta] = {}
         self.num_finishes: dict[str, int] = {}
         self.ctrl: list[Ctrl] = []
-
-    def submit(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> None:
-        self.tokens[rid] = []
-        self._send(new=[NewRequest(rid, input_ids, sampling)])
 
     def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
         for rid, _, _ in requests:

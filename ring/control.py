@@ -1,0 +1,211 @@
+"""A stage's control path, apart from its data steps: the start-up handshake, liveness
+(heartbeats while idle, a timeout while waiting), shutdown and failure reports.
+
+Control messages (`Ctrl`) travel the same links as the data, round the ring from the stage that
+sent them back to it. `RingControl.recv` is how the loop waits for any data message: it handles
+the control messages that arrive meanwhile, so an error or a shutdown wakes a stage from any
+wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from protocol.channels import ChannelTimeout, PullChannel
+from protocol.demux import DemuxReceiver, SequenceError
+from protocol.messages import Ctrl
+from ring.config import RingConfig
+from ring.links import Links
+
+logger = logging.getLogger(__name__)
+
+
+class RingDown(RuntimeError):
+    """The ring cannot go on: a neighbour died, timed out, or reported a fatal error.
+    `origin_rank` is the stage that first reported it (None: this stage)."""
+
+    def __init__(self, message: str, origin_rank: int | None = None) -> None:
+        super().__init__(message)
+        self.origin_rank = origin_rank
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler must know of the model; the same on every stage."""
+
+    context_length: int
+    eos_token_ids: tuple[int, ...] = ()
+    config_hash: str = ""
+
+
+# What every stage must agree on with stage 0 at start-up (besides the KV capacity).
+AGREED_FIELDS = ("config_hash", "pp_loop_size", "context_length")
+
+
+class RingControl:
+    def __init__(self, cfg: RingConfig, links: Links, receiver: DemuxReceiver | None) -> None:
+        self.cfg = cfg
+        self.links = links
+        self.receiver = receiver
+        self.prefix = f"[pp{cfg.rank}]"
+        self.last_heard = time.monotonic()
+        self.next_seq = 0
+        self.heartbeats_sent = 0
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def handshake(self, mine: dict[str, Any]) -> int:
+        """Agree one KV capacity (the minimum over stages) and check every stage serves the same
+        model and ring shape; returns the agreed block count (SGLang PR #10214 crashed on
+        stages with different pool sizes). `mine`: num_kv_blocks and AGREED_FIELDS."""
+        if self.cfg.pp_size == 1:
+            return mine["num_kv_blocks"]
+        if self.cfg.is_first_stage:
+            self.send("hello", mine)
+            agreed = self.wait("hello").info["num_kv_blocks"]  # the minimum, once round
+            self.send("ready", {"num_kv_blocks": agreed})
+            self.wait("ready")
+            return agreed
+        hello = self.wait("hello")
+        for key in AGREED_FIELDS:
+            if hello.info[key] != mine[key]:
+                raise RingDown(
+                    f"{self.prefix} {key} differs from stage 0's ({mine[key]!r} vs "
+                    f"{hello.info[key]!r}): every stage must serve the same model and flags"
+                )
+        blocks = min(hello.info["num_kv_blocks"], mine["num_kv_blocks"])
+        info = dict(hello.info, num_kv_blocks=blocks)
+        self.links.next.send(Ctrl(op="hello", rank=hello.rank, seq=hello.seq, info=info))
+        ready = self.wait("ready")
+        self.links.next.send(ready)
+        return ready.info["num_kv_blocks"]
+
+    # -- control messages ------------------------------------------------------------------------
+
+    def send(self, op: str, info: dict[str, Any]) -> None:
+        self.links.next.send(Ctrl(op=op, rank=self.cfg.rank, seq=self.next_seq, info=info))
+        self.next_seq += 1
+
+    def wait(self, op: str) -> Ctrl:
+        """The next control message `op` (an error report raises RingDown instead)."""
+        deadline = time.monotonic() + self.cfg.ring_timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.receiver.recv("ctrl", timeout_s=remaining)
+            except ChannelTimeout:
+                continue
+            if msg.op == op:
+                return msg
+            if msg.op == "error":
+                raise RingDown(str(msg.info.get("message", "")), msg.rank)
+        raise RingDown(
+            f"{self.prefix} no ctrl {op} within {self.cfg.ring_timeout_s:.0f} s: "
+            "is every stage running?"
+        )
+
+    def recv(self, kind: str) -> Any | None:
+        """The next `kind` data message from the predecessor, handling control messages
+        meanwhile (heartbeats and a shutdown go on round the ring). None: a shutdown came."""
+        while True:
+            try:
+                msg = self.receiver.recv(kind, timeout_s=self.cfg.ring_timeout_s, also=("ctrl",))
+            except ChannelTimeout:
+                raise RingDown(
+                    f"{self.prefix} heard nothing from stage "
+                    f"{(self.cfg.rank - 1) % self.cfg.pp_size} "
+                    f"for {self.cfg.ring_timeout_s:.0f} s while waiting for {kind}"
+                ) from None
+            self.last_heard = time.monotonic()
+            if msg.kind == kind:
+                return msg
+            if msg.op == "error":
+                raise RingDown(str(msg.info.get("message", "")), msg.rank)
+            if msg.op in ("heartbeat", "shutdown") and msg.rank != self.cfg.rank:
+                self.links.next.send(msg)  # round the ring, back to the stage that sent it
+            if msg.op == "shutdown":
+                return None
+            if msg.op != "heartbeat":
+                raise RingDown(f"{self.prefix} unexpected ctrl {msg.op} while running")
+
+    # -- idle: heartbeats ------------------------------------------------------------------------
+
+    def wait_for_intake(self, intake: PullChannel | None) -> Any:
+        """Stage 0, idle: the frontend's next message, sending a heartbeat round the ring every
+        interval and declaring the ring down if none comes back within the ring timeout."""
+        poller = zmq.Poller()
+        if intake is not None:
+            poller.register(intake.sock, zmq.POLLIN)
+        if self.receiver is not None:
+            poller.register(self.receiver.channel.sock, zmq.POLLIN)
+        multi = self.cfg.pp_size > 1
+        while True:
+            events = dict(poller.poll(self.cfg.heartbeat_interval_s * 1000))
+            if intake is not None and intake.sock in events:
+                return intake.recv(0)
+            if self.receiver is not None:
+                self._drain_idle_ctrl()
+            if not events and multi:
+                self.send("heartbeat", {})
+                self.heartbeats_sent += 1
+            if multi and time.monotonic() - self.last_heard > self.cfg.ring_timeout_s:
+                raise RingDown(
+                    f"{self.prefix} heartbeat did not come back round the ring within "
+                    f"{self.cfg.ring_timeout_s:.0f} s"
+                )
+
+    def _drain_idle_ctrl(self) -> None:
+        while (msg := self.receiver.poll("ctrl", 0)) is not None:
+            self.last_heard = time.monotonic()
+            if msg.op == "error":
+                raise RingDown(str(msg.info.get("message", "")), msg.rank)
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    def shutdown_ring(self, step: int) -> None:
+        """Stage 0, idle and asked to stop: send shutdown round the ring and wait for it."""
+        if self.cfg.pp_size > 1:
+            self.send("shutdown", {"step": step})
+            self.wait("shutdown")
+        if self.links.deltas is not None:
+            self.links.deltas.send(Ctrl(op="shutdown", rank=0, info={"step": step}))
+        logger.info("%s ring shut down after %d steps", self.prefix, step)
+
+    def pending_error(self, timeout_s: float) -> Ctrl | None:
+        """An error report already on its way to this stage, if any."""
+        if self.receiver is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.receiver.recv("ctrl", timeout_s=remaining)
+            except (ChannelTimeout, SequenceError):
+                return None
+            if msg.op == "error":
+                return msg
+        return None
+
+    def fail(self, message: str, origin_rank: int | None) -> None:
+        """Tell the rest of the ring (and the frontend) and give up. Best effort: the
+        neighbour may be gone already."""
+        origin = self.cfg.rank if origin_rank is None else origin_rank
+        if origin == self.cfg.rank:
+            if not message.startswith(self.prefix):
+                message = f"{self.prefix} {message}"  # the ring and the user see who found it
+            logger.error("%s", message)
+        else:
+            logger.error("%s stopping: stage %d reported: %s", self.prefix, origin, message)
+        msg = Ctrl(op="error", rank=origin, info={"message": message})
+        targets = [self.links.deltas]
+        if (self.cfg.rank + 1) % self.cfg.pp_size != origin:
+            targets.append(self.links.next)
+        for channel in targets:
+            if channel is not None:
+                try:
+                    channel.send(msg)
+                except OSError:
+                    pass

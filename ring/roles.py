@@ -1,0 +1,229 @@
+"""What differs between the first, middle and last stages, chosen once when the loop is built.
+
+A stage plays two roles, picked by its rank:
+
+- its head, where a step's inputs come from: `FrontendHead` (stage 0: requests from the
+  frontend, no seam to receive, deltas back to the frontend) or `RingHead` (every other stage:
+  requests and the seam from the predecessor);
+- its tail, what its forward produces: `SamplerTail` (the last stage: sampled tokens, sent
+  round the ring and kept to apply itself) or `SeamTail` (every other stage: the seam for the
+  next stage; outputs come from the predecessor).
+
+A one-stage ring is both `FrontendHead` and `SamplerTail`. The loop calls the same methods
+whatever the rank, so its body never asks for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.demux import SequenceError
+from protocol.messages import Ctrl, Deltas, NewRequest, Output, Proxy, Reqs, RequestDelta
+from ring.config import RingConfig
+from ring.control import RingControl
+from ring.links import Links
+from ring.scheduler import Batch, DivergenceError, Scheduler
+from stages.contract import Sample, StageOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopStats:
+    """Where a stage's time went; the roles record their waits, the loop its forwards."""
+
+    steps: int = 0
+    busy_s: float = 0.0  # time inside the stage's forward
+    wall_s: float = 0.0  # time from the first step to the last
+    stalls_s: float = 0.0  # time waiting for an output that was due
+    proxy_wait_s: float = 0.0
+    reqs_wait_s: float = 0.0
+
+
+class FrontendHead:
+    """Stage 0: drains the frontend's requests, reports their deltas back to it."""
+
+    def __init__(self, cfg: RingConfig, links: Links, control: RingControl) -> None:
+        self.cfg, self.links, self.control = cfg, links, control
+        self.shutting_down = False
+        self.aborted_all = False
+
+    def take_reqs(self, sched: Scheduler, step: int, may_block: bool) -> Reqs | None:
+        """Drain the frontend without blocking; block (with heartbeats) when idle. With a
+        forward running (`may_block` False) the ring is not idle, so it never blocks nor shuts
+        the ring down there. None: the ring has shut down."""
+        new: list[NewRequest] = []
+        aborts: list[str] = []
+        while (msg := self._next_intake(may_block and not (new or aborts), sched)) is not None:
+            if isinstance(msg, Ctrl) and msg.op == "shutdown":
+                self.shutting_down = True
+            elif isinstance(msg, Reqs):
+                new += msg.new
+                aborts += msg.aborts
+        if self.shutting_down:
+            # Fail what we hold: abort everything (a running request finishes at its next turn).
+            aborts += [r.rid for r in new]
+            if not self.aborted_all:
+                aborts += list(sched.requests)
+                self.aborted_all = True
+            if may_block and sched.is_idle() and not new:
+                self.control.shutdown_ring(step)
+                return None
+        reqs = Reqs(slot=step % self.cfg.pp_loop_size, step=step, new=new, aborts=aborts)
+        if self.cfg.pp_size > 1:  # on to stage 1
+            self.links.next.queue(reqs)
+        return reqs
+
+    def _next_intake(self, may_block: bool, sched: Scheduler) -> Any | None:
+        intake = self.links.intake
+        if may_block and sched.is_idle() and not self.shutting_down:
+            return self.control.wait_for_intake(intake)
+        if intake is None or not intake.poll(0):
+            return None
+        return intake.recv(0)
+
+    def take_seam(self, batch: Batch) -> dict[str, Any]:
+        return {}  # the first stage embeds the batch's token ids itself
+
+    def announce_ready(self, num_kv_blocks: int) -> None:
+        """Tell the frontend the ring is up, and how many KV blocks it agreed."""
+        if self.links.deltas is not None:
+            self.links.deltas.send(Ctrl(op="ready", rank=0, info={"num_kv_blocks": num_kv_blocks}))
+
+    def send_deltas(self, step: int, deltas: list[RequestDelta]) -> None:
+        if deltas and self.links.deltas is not None:
+            self.links.deltas.send(Deltas(step=step, deltas=deltas))
+
+
+class RingHead:
+    """Every stage but the first: requests and the seam come from the predecessor."""
+
+    def __init__(
+        self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
+    ) -> None:
+        self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
+
+    def take_reqs(self, sched: Scheduler, step: int, may_block: bool) -> Reqs | None:
+        started = time.monotonic()
+        reqs = self.control.recv("reqs")
+        self.stats.reqs_wait_s += time.monotonic() - started
+        if reqs is None:  # a shutdown came round instead
+            if not sched.is_idle():
+                logger.warning("%s shut down with requests still held", self.control.prefix)
+        elif not self.cfg.is_last_stage:  # the last stage's successor is stage 0, their origin
+            self.links.next.queue(reqs)
+        return reqs
+
+    def take_seam(self, batch: Batch) -> dict[str, Any]:
+        started = time.monotonic()
+        proxy: Proxy = self.control.recv("proxy")
+        self.stats.proxy_wait_s += time.monotonic() - started
+        if proxy.step != batch.step or proxy.digest != batch.digest:
+            raise DivergenceError(
+                f"{self.control.prefix} slot {batch.slot} step {batch.step}: stage "
+                f"{self.cfg.rank - 1} sent a batch with digest {proxy.digest}, this stage "
+                f"decided {batch.digest} ({len(batch.entries)} requests): the stages' "
+                "schedulers diverged"
+            )
+        return {"hidden_states": proxy.hidden_states, "residual": proxy.residual}
+
+    def announce_ready(self, num_kv_blocks: int) -> None:
+        pass  # only stage 0 talks to the frontend
+
+    def send_deltas(self, step: int, deltas: list[RequestDelta]) -> None:
+        pass
+
+
+class SeamTail:
+    """Every stage but the last: sends the seam on; outputs come from the predecessor."""
+
+    def __init__(
+        self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
+    ) -> None:
+        self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
+        self.forward_outputs = cfg.rank + 1 < cfg.pp_size - 1  # the last stage made them
+
+    def sampling_args(self, batch: Batch) -> dict[str, Any]:
+        return {}
+
+    def send_result(self, batch: Batch, seam: StageOutput) -> None:
+        if self.cfg.debug_fault == ("drop", self.cfg.rank, batch.step):
+            return  # fault injection: the proxy is lost
+        hidden, residual = seam["hidden_states"], seam["residual"]
+        self.links.next.queue(Proxy(batch.slot, batch.step, batch.digest, hidden, residual))
+
+    def take_output(self, due: int) -> Output:
+        started = time.monotonic()
+        output: Output = self.control.recv("output")
+        self.stats.stalls_s += time.monotonic() - started
+        if output.step != due:
+            raise SequenceError(
+                f"{self.control.prefix} expected the output of step {due}, got step {output.step}"
+            )
+        if self.forward_outputs:
+            self.links.next.queue(output)
+        return output
+
+    def prefetch_output(self, until: float) -> bool:
+        """Read the link until the due output is here or `until`; False: not by then."""
+        return self.control.receiver.prefetch(until, want="output")
+
+
+class SamplerTail:
+    """The last stage: samples, sends each step's tokens round the ring, keeps them to apply."""
+
+    def __init__(self, cfg: RingConfig, links: Links) -> None:
+        self.cfg, self.links = cfg, links
+        self.pending: deque[tuple[Batch, Sample]] = deque()  # sampled, not yet sent
+        self.own_outputs: dict[int, Output] = {}  # step -> output to apply later
+
+    def sampling_args(self, batch: Batch) -> dict[str, Any]:
+        sampling = [e.req.sampling for e in batch.entries]
+        # Only a repetition penalty needs the history; building it costs O(seq_len) per request.
+        histories = [
+            e.req.all_ids if e.chunk.sample and e.req.sampling.repetition_penalty != 1.0 else None
+            for e in batch.entries
+        ]
+        return {"sampling": sampling, "histories": histories}
+
+    def send_result(self, batch: Batch, sample: StageOutput) -> None:
+        """Send every output that is ready, and wait for those `depth` steps old."""
+        self.pending.append((batch, sample))
+        self._send_outputs(through=batch.step - self.cfg.pp_async_batch_depth)
+
+    def take_output(self, due: int) -> Output:
+        self._send_outputs(through=due)
+        return self.own_outputs.pop(due)
+
+    def prefetch_output(self, until: float) -> bool:
+        return True  # its own: nothing to receive
+
+    def _send_outputs(self, through: int) -> None:
+        """Outputs leave in step order: each one that is ready, and each one up to step
+        `through` even if that means waiting for it (the straggler)."""
+        while self.pending:
+            batch, sample = self.pending[0]
+            if batch.step > through and not sample.is_ready():
+                break
+            self.pending.popleft()
+            result = sample.wait()
+            output = Output(batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs)
+            self.own_outputs[batch.step] = output
+            if self.cfg.pp_size > 1:
+                self.links.next.queue(output)
+
+
+def build_roles(
+    cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
+) -> tuple[FrontendHead | RingHead, SeamTail | SamplerTail]:
+    head = (
+        FrontendHead(cfg, links, control)
+        if cfg.is_first_stage
+        else RingHead(cfg, links, control, stats)
+    )
+    tail = SamplerTail(cfg, links) if cfg.is_last_stage else SeamTail(cfg, links, control, stats)
+    return head, tail
