@@ -55,7 +55,6 @@ class RingControl:
         self.prefix = f"[pp{cfg.rank}]"
         self.last_heard = time.monotonic()
         self.next_seq = 0
-        self.heartbeats_sent = 0
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -151,7 +150,6 @@ class RingControl:
                 self._drain_idle_ctrl()
             if not events and multi:
                 self.send("heartbeat", {})
-                self.heartbeats_sent += 1
             if multi and time.monotonic() - self.last_heard > self.cfg.ring_timeout_s:
                 raise RingDown(
                     f"{self.prefix} heartbeat did not come back round the ring within "

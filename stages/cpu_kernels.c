@@ -434,9 +434,10 @@ static inline void prefetch_next_quad(const void *w, int quad, int num_quads, in
     for (int64_t b = 0; b < quad_bytes; b += 64) __builtin_prefetch(p + b);
 }
 
-/* Four dot products of x [K] with four weight rows, in four independent sums: one sum alone is
- * a chain of dependent FMAs, bound by their latency rather than by memory. With AVX2 they are
- * written out by hand: gcc's vectorized reductions widen int8 to 32 lanes and spill. */
+/* The int8 matmuls: dot products of x [K] with four weight rows, in four independent sums (one
+ * sum alone is a chain of dependent FMAs, bound by their latency rather than by memory). With
+ * AVX2 they are written out by hand: gcc's vectorized reductions widen int8 to 32 lanes and
+ * spill. */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
