@@ -23,8 +23,9 @@ from typing import Any
 from protocol.channels import AsyncDealerChannel, ChannelTimeout, DealerChannel
 from protocol.messages import Abort, ChatMessage, Chunk, Done, Error, Generate
 from protocol.sampling import SamplingParams
+from ring.topology import DEFAULT_PORT
 
-DEFAULT_ADDR = "tcp://127.0.0.1:30000"
+DEFAULT_ADDR = f"tcp://127.0.0.1:{DEFAULT_PORT}"
 
 
 class RequestError(RuntimeError):

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launch.flags import add_flags, flag_argv, ring_config
 from launch.procs import ProcessGroup
-from launch.stage import add_ring_args, add_stage_args
-from ring.topology import RingAddresses
+from ring.topology import DEFAULT_PORT, RingAddresses
+from stages.batch import BLOCK_SIZE
 
 logger = logging.getLogger("ppring")
 
@@ -34,10 +35,9 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ppring local", description=__doc__.split("\n\n")[0])
-    add_ring_args(parser)
-    add_stage_args(parser)
+    add_flags(parser)
     parser.add_argument("--host", default="127.0.0.1", help="where clients connect")
-    parser.add_argument("--port", type=int, default=30000, help="the frontend's port")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the frontend's port")
     parser.add_argument("--log-dir", type=Path, default=None, help="stage logs (default stderr)")
     args = parser.parse_args(argv)
     if args.threads_per_stage is None:
@@ -52,24 +52,8 @@ def stage_argv(
     argv = [
         sys.executable, "-m", "launch.stage", "--rank", str(rank),
         "--host", args.host, "--port", str(args.port), "--transport", "tcp",
-        "--pp-size", str(args.pp_size),
-        "--pp-async-batch-depth", str(args.pp_async_batch_depth),
-        "--max-running-requests", str(args.max_running_requests),
-        "--chunked-prefill-size", str(args.chunked_prefill_size),
-        "--heartbeat-interval", str(args.heartbeat_interval),
-        "--ring-timeout", str(args.ring_timeout),
-        "--stage-impl", args.stage_impl, "--model", str(model_dir),
-        "--dtype", args.dtype, "--device", args.device,
-        "--quantization", args.quantization, "--partition-rule", args.partition_rule,
-        "--threads-per-stage", str(args.threads_per_stage),
-        "--kv-memory-gib", str(args.kv_memory_gib),
-        "--sim-t0-ms", str(args.sim_t0_ms), "--sim-t-token-ms", str(args.sim_t_token_ms),
-        "--sim-sample-delay-ms", str(args.sim_sample_delay_ms),
-        "--sim-kv-blocks", str(args.sim_kv_blocks),
-        "--sim-context-length", str(args.sim_context_length),
+        *flag_argv(args, model=model_dir),
     ]  # fmt: skip
-    if args.pp_max_micro_batch_size is not None:
-        argv += ["--pp-max-micro-batch-size", str(args.pp_max_micro_batch_size)]
     if ring_hosts:
         argv += ["--ring-hosts", ",".join(ring_hosts)]
     return argv
@@ -87,17 +71,11 @@ class Startup:
 
 
 def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
-    from ring.config import RingConfig
     from stages.config import ModelConfig
     from stages.partition import PARTITION_ENV, StageCosts, partition_for_model
 
     config = ModelConfig.from_folder(model_dir)
-    cfg = RingConfig(
-        pp_size=args.pp_size,
-        pp_async_batch_depth=args.pp_async_batch_depth,
-        max_running_requests=args.max_running_requests,
-        pp_max_micro_batch_size=args.pp_max_micro_batch_size,
-    )
+    cfg = ring_config(args, rank=0)
     split = partition_for_model(config, args.pp_size, args.partition_rule)
     context = (
         args.sim_context_length if args.stage_impl == "sim" else config.max_position_embeddings
@@ -228,7 +206,7 @@ async def _serve(
         while not frontend.stopped.is_set():
             if frontend.ring_ready.is_set() and not announced:
                 blocks = frontend.ring_info.get("num_kv_blocks", 0)
-                print(f"KV blocks agreed: {blocks} ({blocks * 16} tokens)", flush=True)
+                print(f"KV blocks agreed: {blocks} ({blocks * BLOCK_SIZE} tokens)", flush=True)
                 print(f"ready: {frontend.addr}", flush=True)
                 announced = True
             elif not announced and time.monotonic() - started > READY_TIMEOUT_S:

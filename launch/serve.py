@@ -20,11 +20,11 @@ import sys
 import threading
 from pathlib import Path
 
+from launch.flags import add_flags, agreed_flags
 from launch.local import run_frontend, stage_argv, summary
 from launch.procs import ProcessGroup
 from launch.rendezvous import RendezvousError, register, serve_rendezvous
-from launch.stage import add_ring_args, add_stage_args
-from ring.topology import RingAddresses
+from ring.topology import DEFAULT_PORT, RingAddresses
 
 logger = logging.getLogger("ppring")
 
@@ -36,12 +36,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dist-init-addr", required=True, help="HOST:PORT of node 0's rendezvous")
     parser.add_argument("--host", default="127.0.0.1", help="the address this node listens on")
     parser.add_argument(
-        "--port", type=int, default=30000, help="the ring's base port (same on all)"
+        "--port", type=int, default=DEFAULT_PORT, help="the ring's base port (same on all)"
     )
     parser.add_argument("--rendezvous-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, default=None)
-    add_ring_args(parser)
-    add_stage_args(parser)
+    add_flags(parser)
     args = parser.parse_args(argv)
     if args.pp_size != 1 and args.pp_size != args.nnodes:
         parser.error(
@@ -54,22 +53,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def hello_info(args: argparse.Namespace, config_hash: str, partition: list[int]) -> dict:
-    ring_flags = [
-        args.pp_async_batch_depth,
-        args.max_running_requests,
-        args.pp_max_micro_batch_size,
-        args.chunked_prefill_size,
-        args.stage_impl,
-        args.dtype,
-        args.quantization,
-        args.partition_rule,
-    ]
     return {
         "host": args.host,
         "config_hash": config_hash,
         "partition": partition,
         "nnodes": args.nnodes,
-        "ring_flags": ring_flags,
+        "ring_flags": agreed_flags(args),
         "port": args.port,
     }
 

@@ -13,70 +13,11 @@ import logging
 import signal
 import sys
 
+from launch.flags import add_flags, ring_config
 from ring.config import RingConfig
-from ring.topology import RingAddresses
+from ring.topology import DEFAULT_PORT, RingAddresses
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_MEMORY_GIB = 1.0
-
-
-def add_ring_args(parser: argparse.ArgumentParser) -> None:
-    """Scheduling flags, named as in SGLang so a user can move over without a dictionary."""
-    parser.add_argument("--pp-size", type=int, default=1)
-    parser.add_argument("--pp-async-batch-depth", type=int, default=0)
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--pp-max-micro-batch-size", type=int, default=None)
-    parser.add_argument("--chunked-prefill-size", type=int, default=512)
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
-    parser.add_argument("--ring-timeout", type=float, default=30.0)
-
-
-def add_stage_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stage-impl", choices=("real", "sim"), default="real")
-    parser.add_argument("--model", default=None, help="a local Hugging Face folder")
-    parser.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="auto: bfloat16 on a CPU with native bf16 (AVX-512 BF16 or AMX), else float32; "
-        "the checkpoint's dtype on a GPU",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=("none", "int8"),
-        default="none",
-        help="int8: weight-only int8 with per-channel scales (CPU), for a single stream",
-    )
-    parser.add_argument(
-        "--partition-rule",
-        choices=("cost", "seed"),
-        default="cost",
-        help="cost: stages of equal cost (the last one's lm_head counted); seed: L // S layers "
-        "each, the remainder before the last (PPRING_LAYER_PARTITION overrides both)",
-    )
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads-per-stage", type=int, default=None)
-    parser.add_argument("--kv-memory-gib", type=float, default=DEFAULT_KV_MEMORY_GIB)
-    # Simulated stage (--stage-impl sim).
-    parser.add_argument("--sim-t0-ms", type=float, default=5.0)
-    parser.add_argument("--sim-t-token-ms", type=float, default=0.0)
-    parser.add_argument("--sim-sample-delay-ms", type=float, default=0.0)
-    parser.add_argument("--sim-kv-blocks", type=int, default=4096)
-    parser.add_argument("--sim-context-length", type=int, default=8192)
-
-
-def ring_config(args: argparse.Namespace, rank: int) -> RingConfig:
-    return RingConfig(
-        pp_size=args.pp_size,
-        rank=rank,
-        pp_async_batch_depth=args.pp_async_batch_depth,
-        max_running_requests=args.max_running_requests,
-        pp_max_micro_batch_size=args.pp_max_micro_batch_size,
-        chunked_prefill_size=args.chunked_prefill_size,
-        heartbeat_interval_s=args.heartbeat_interval,
-        ring_timeout_s=args.ring_timeout,
-    )
 
 
 def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelInfo)
@@ -119,11 +60,12 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
     return stage, info
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Where this process sits in the ring, then the flags every stage gets (launch/flags.py)."""
     parser = argparse.ArgumentParser(prog="python -m launch.stage", description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="the ring's base port")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the ring's base port")
     parser.add_argument(
         "--transport", choices=("tcp", "ipc"), default="tcp", help="ipc: stages on one host"
     )
@@ -131,9 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ring-hosts", default=None, help="comma-separated host of every stage (multi-node)"
     )
-    add_ring_args(parser)
-    add_stage_args(parser)
-    args = parser.parse_args(argv)
+    add_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
     )

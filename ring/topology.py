@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The frontend's port when none is given; the ring's other ports follow it (see above).
+DEFAULT_PORT = 30000
+
 
 @dataclass(frozen=True)
 class RingAddresses:
     pp_size: int
     transport: str = "tcp"  # tcp | ipc | inproc
     hosts: tuple[str, ...] = ("127.0.0.1",)  # one per stage, or one for all
-    base_port: int = 30000
+    base_port: int = DEFAULT_PORT
     run_id: str = "ppring"
 
     def __post_init__(self) -> None:

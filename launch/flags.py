@@ -1,0 +1,112 @@
+"""The flags a launcher forwards to every stage process, in one table.
+
+`ppring local` and `ppring serve` take these flags and write them out again on each
+`python -m launch.stage` command line; the stage turns the ring flags into its `RingConfig`;
+`ppring serve` sends the `agreed` ones to node 0's rendezvous, which refuses a node whose values
+differ. All of it is derived from `FLAGS`, so a flag added there reaches every one of them.
+Flags that place a process (rank, host, port, transport) are not here: each launcher derives
+them per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ring.config import RingConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str  # "--pp-size"; the namespace attribute is `pp_size`
+    type: Callable[[str], Any] = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    help: str | None = None
+    agreed: bool = False  # the rendezvous requires the same value on every node
+    field: str | None = None  # the RingConfig field it fills
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+# Scheduling flags, named as in SGLang so a user can move over without a dictionary; then the
+# stage's own: which model, how it computes, and the simulated stage's timings.
+FLAGS: tuple[Flag, ...] = (
+    Flag("--pp-size", int, 1, field="pp_size"),
+    Flag("--pp-async-batch-depth", int, 0, agreed=True, field="pp_async_batch_depth"),
+    Flag("--max-running-requests", int, 64, agreed=True, field="max_running_requests"),
+    Flag("--pp-max-micro-batch-size", int, None, agreed=True, field="pp_max_micro_batch_size"),
+    Flag("--chunked-prefill-size", int, 512, agreed=True, field="chunked_prefill_size"),
+    Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
+    Flag("--ring-timeout", float, 30.0, field="ring_timeout_s"),
+    Flag("--stage-impl", str, "real", choices=("real", "sim"), agreed=True),
+    Flag("--model", str, None, help="a local Hugging Face folder"),
+    Flag(
+        "--dtype",
+        str,
+        "auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on a CPU with native bf16 (AVX-512 BF16 or AMX), else float32; "
+        "the checkpoint's dtype on a GPU",
+        agreed=True,
+    ),
+    Flag(
+        "--quantization",
+        str,
+        "none",
+        choices=("none", "int8"),
+        help="int8: weight-only int8 with per-channel scales (CPU), for a single stream",
+        agreed=True,
+    ),
+    Flag(
+        "--partition-rule",
+        str,
+        "cost",
+        choices=("cost", "seed"),
+        help="cost: stages of equal cost (the last one's lm_head counted); seed: L // S layers "
+        "each, the remainder before the last (PPRING_LAYER_PARTITION overrides both)",
+        agreed=True,
+    ),
+    Flag("--device", str, "cpu"),
+    Flag("--threads-per-stage", int, None),
+    Flag("--kv-memory-gib", float, 1.0),
+    # Simulated stage (--stage-impl sim).
+    Flag("--sim-t0-ms", float, 5.0),
+    Flag("--sim-t-token-ms", float, 0.0),
+    Flag("--sim-sample-delay-ms", float, 0.0),
+    Flag("--sim-kv-blocks", int, 4096),
+    Flag("--sim-context-length", int, 8192),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    for flag in FLAGS:
+        parser.add_argument(
+            flag.name, type=flag.type, default=flag.default, choices=flag.choices, help=flag.help
+        )
+
+
+def ring_config(args: argparse.Namespace, rank: int) -> RingConfig:
+    fields = {flag.field: getattr(args, flag.dest) for flag in FLAGS if flag.field}
+    return RingConfig(rank=rank, **fields)
+
+
+def flag_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
+    """Every table flag as command-line words, `overrides` (by attribute) replacing values
+    from `args`. A None value is not written: the stage's parser reads a missing flag as its
+    default, None."""
+    values = {**vars(args), **overrides}
+    argv: list[str] = []
+    for flag in FLAGS:
+        if values[flag.dest] is not None:
+            argv += [flag.name, str(values[flag.dest])]
+    return argv
+
+
+def agreed_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """What the rendezvous compares across nodes: {flag name: value} of the agreed flags."""
+    return {flag.name: getattr(args, flag.dest) for flag in FLAGS if flag.agreed}

@@ -1,0 +1,76 @@
+"""The flag table (launch/flags.py): what a launcher takes reaches each stage and the rendezvous."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from launch import local, serve, stage
+from launch.flags import FLAGS, Flag, ring_config
+from ring.config import RingConfig
+
+AGREED = {
+    "--pp-async-batch-depth",
+    "--max-running-requests",
+    "--pp-max-micro-batch-size",
+    "--chunked-prefill-size",
+    "--stage-impl",
+    "--dtype",
+    "--quantization",
+    "--partition-rule",
+}
+
+
+def other_value(flag: Flag) -> Any:
+    """A valid value unlike the flag's default."""
+    if flag.choices:
+        return next(choice for choice in flag.choices if choice != flag.default)
+    if flag.type is str:
+        return "other"
+    return flag.type(3 * (flag.default or 1))
+
+
+def launcher_argv(*extra: str) -> list[str]:
+    return [word for flag in FLAGS for word in (flag.name, str(other_value(flag)))] + list(extra)
+
+
+def test_stage_argv_carries_every_table_flag_to_the_stage():
+    launcher = local.parse_args(launcher_argv())
+    argv = local.stage_argv(launcher, 1, Path("other"))
+    assert argv[1:3] == ["-m", "launch.stage"]
+    got = stage.build_parser().parse_args(argv[3:])
+    for flag in FLAGS:
+        assert getattr(got, flag.dest) == other_value(flag), flag.name
+    assert ring_config(got, 1) == ring_config(launcher, 1)
+
+
+def test_ring_config_fills_each_field_from_its_flag():
+    cfg = ring_config(local.parse_args(launcher_argv()), rank=1)
+    for flag in FLAGS:
+        if flag.field:
+            assert getattr(cfg, flag.field) == other_value(flag), flag.name
+    filled = {flag.field for flag in FLAGS if flag.field}
+    per_process = {"rank", "debug_fault"}
+    assert filled == {f.name for f in dataclasses.fields(RingConfig)} - per_process
+
+
+def test_a_flag_left_at_none_is_not_written():
+    launcher = local.parse_args([])
+    argv = local.stage_argv(launcher, 0, Path("model"))
+    assert "--pp-max-micro-batch-size" not in argv
+    got = stage.build_parser().parse_args(argv[3:])
+    assert got.pp_max_micro_batch_size is None
+    assert ring_config(got, 0) == ring_config(launcher, 0)
+
+
+def test_hello_info_holds_exactly_the_agreed_flags():
+    args = serve.parse_args(
+        launcher_argv("--node-rank", "0", "--nnodes", "3", "--dist-init-addr", "h:1")
+    )
+    info = serve.hello_info(args, "hash", [2, 2, 2])
+    assert set(info) == {"host", "config_hash", "partition", "nnodes", "ring_flags", "port"}
+    assert set(info["ring_flags"]) == AGREED
+    by_name = {flag.name: flag for flag in FLAGS}
+    for name, value in info["ring_flags"].items():
+        assert value == other_value(by_name[name]), name
