@@ -19,6 +19,7 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from protocol.dtypes import dtype_bytes, spellings
 from stages.config import ModelConfig, read_config_json
 from stages.errors import ConfigError
 from stages.partition import imbalance_loss, partition_layers
@@ -27,43 +28,70 @@ KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 
-# Bytes per element; the short names are what people type, the long ones what config.json holds.
-DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "fp8": 1,
-}
+# The dtypes plan sizes weights and KV in, under every spelling (protocol/dtypes.py): the short
+# names are what people type, the long ones what config.json holds.
+PLAN_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+DTYPE_CHOICES = sorted(spelling for name in PLAN_DTYPES for spelling in spellings(name))
 
 DEFAULT_BUBBLE_STAGES = (2, 4, 8)
 DEFAULT_MICRO_BATCHES = (1, 4, 16, 64)
 
 
+# The ModelConfig fields that set weight, KV and activation sizes: what --json shows of a model.
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
 @dataclass(frozen=True)
-class ModelShape:
-    """The fields of a Llama config that set weight, KV and activation sizes."""
+class PlanModel:
+    """A model as plan sizes it: its shape, the name the report gives it, and the dtype of its
+    weights (as typed: "bf16" stays "bf16" in the report)."""
 
     name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    dtype: str = "bfloat16"
+    config: ModelConfig
+    dtype: str
+
+
+# The config.json fields a preset states, in the order _preset takes them (head_dim is
+# hidden_size / num_attention_heads for all three).
+PRESET_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def _preset(name: str, *values: int | bool) -> PlanModel:
+    """A published bf16 Llama model from its config.json, cut to PRESET_FIELDS; RoPE and norm
+    settings take ModelConfig's defaults, which plan never reads."""
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 8192,
+        "torch_dtype": "bfloat16",
+        **dict(zip(PRESET_FIELDS, values, strict=True)),
+    }
+    config = ModelConfig.from_dict(raw, source=name)
+    return PlanModel(name, config, config.torch_dtype)
 
 
 PRESETS = {
-    shape.name: shape
-    for shape in (
-        ModelShape("Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256, False),
-        ModelShape("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, False),
-        ModelShape("SmolLM2-135M", 30, 576, 9, 3, 64, 1536, 49152, True),
+    model.name: model
+    for model in (
+        _preset("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, False),
+        _preset("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, False),
+        _preset("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, True),
     )
 }
 
@@ -109,7 +137,7 @@ def kv_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int, elem_b
     return 2 * num_kv_heads * head_dim * elem_bytes * num_layers
 
 
-def layer_params_per_gpu(shape: ModelShape, tp_size: int) -> int:
+def layer_params_per_gpu(shape: ModelConfig, tp_size: int) -> int:
     """Parameters of one decoder layer on one TP rank. q/o and the MLP split by TP; k/v follow
     the KV heads (replicated past h_kv); the two RMSNorm weights are replicated."""
     d, dh = shape.hidden_size, shape.head_dim
@@ -120,7 +148,7 @@ def layer_params_per_gpu(shape: ModelShape, tp_size: int) -> int:
 
 
 def stage_params_per_gpu(
-    shape: ModelShape, tp_size: int, num_stage_layers: int, is_first: bool, is_last: bool
+    shape: ModelConfig, tp_size: int, num_stage_layers: int, is_first: bool, is_last: bool
 ) -> int:
     """Parameters one TP rank of a stage holds: its layers, the embedding on the first stage,
     the final norm and lm_head on the last (vocab split over TP). A tied lm_head is free only
@@ -136,8 +164,9 @@ def stage_params_per_gpu(
     return params
 
 
-def model_params(shape: ModelShape) -> int:
+def model_params(model: PlanModel) -> int:
     """Parameters of the whole model (one GPU, one stage)."""
+    shape = model.config
     return stage_params_per_gpu(shape, 1, shape.num_layers, is_first=True, is_last=True)
 
 
@@ -201,7 +230,7 @@ def seam_crosses_nodes(stage: int, tp_size: int, gpus_per_node: int) -> bool:
     )
 
 
-def layout_problem(shape: ModelShape, tp_size: int, pp_size: int) -> str | None:
+def layout_problem(shape: ModelConfig, tp_size: int, pp_size: int) -> str | None:
     """Why the model cannot run at this TP x PP, or None if it can."""
     if shape.num_heads % tp_size:
         return f"{shape.num_heads} attention heads do not split over TP={tp_size}"
@@ -265,7 +294,7 @@ def _link_name(crossings: int, total: int) -> str:
 
 
 def plan_layout(
-    shape: ModelShape,
+    model: PlanModel,
     hw: Hardware,
     tp_size: int,
     pp_size: int,
@@ -275,7 +304,8 @@ def plan_layout(
     baseline_kv_tokens: int | None = None,
     label: str | None = None,
 ) -> LayoutPlan:
-    b = DTYPE_BYTES[shape.dtype]
+    shape = model.config
+    b = dtype_bytes(model.dtype)
     d = shape.hidden_size
     partition = partition_layers(shape.num_layers, pp_size)
     heads = kv_heads_per_gpu(shape.num_kv_heads, tp_size)
@@ -347,7 +377,7 @@ def plan_layout(
 
 @dataclass(frozen=True)
 class Report:
-    model: ModelShape
+    model: PlanModel
     hardware: Hardware
     context_len: int
     num_tokens: int
@@ -388,7 +418,7 @@ def candidate_layouts(
 
 
 def build_report(
-    shape: ModelShape,
+    model: PlanModel,
     hw: Hardware,
     context_len: int = 8192,
     num_tokens: int = 64,
@@ -399,9 +429,10 @@ def build_report(
     micro_batches: tuple[int, ...] = DEFAULT_MICRO_BATCHES,
 ) -> Report:
     check_inputs(hw, context_len, num_tokens)
-    kv_dtype = kv_dtype or shape.dtype
-    kv_b = DTYPE_BYTES[kv_dtype]
-    b = DTYPE_BYTES[shape.dtype]
+    shape = model.config
+    kv_dtype = kv_dtype or model.dtype
+    kv_b = dtype_bytes(kv_dtype)
+    b = dtype_bytes(model.dtype)
     pairs = candidate_layouts(hw.num_gpus, tp_size, pp_size)
     explicit = tp_size is not None or pp_size is not None
     common = dict(context_len=context_len, num_tokens=num_tokens, kv_elem_bytes=kv_b)
@@ -410,14 +441,14 @@ def build_report(
     one_node = min(hw.num_gpus, hw.gpus_per_node)
     base_tp = next(tp for tp in range(one_node, 0, -1) if not layout_problem(shape, tp, 1))
     base_label = layout_label(base_tp, 1) + (" (1 node)" if base_tp < hw.num_gpus else "")
-    base = plan_layout(shape, hw, base_tp, 1, label=base_label, **common)
+    base = plan_layout(model, hw, base_tp, 1, label=base_label, **common)
     base = replace(base, gain_vs_baseline=0.0 if base.kv_tokens else None)
 
     layouts, skipped = [], []
     for tp, pp in pairs:
         problem = layout_problem(shape, tp, pp)
         if problem and explicit:
-            raise ConfigError(f"{shape.name} cannot run at {layout_label(tp, pp)}: {problem}")
+            raise ConfigError(f"{model.name} cannot run at {layout_label(tp, pp)}: {problem}")
         if problem:
             skipped.append({"layout": layout_label(tp, pp), "reason": problem})
             continue
@@ -425,16 +456,16 @@ def build_report(
             layouts.append(base)
             continue
         layouts.append(
-            plan_layout(shape, hw, tp, pp, baseline_kv_tokens=base.kv_tokens or None, **common)
+            plan_layout(model, hw, tp, pp, baseline_kv_tokens=base.kv_tokens or None, **common)
         )
 
     return Report(
-        model=shape,
+        model=model,
         hardware=hw,
         context_len=context_len,
         num_tokens=num_tokens,
         kv_dtype=kv_dtype,
-        weight_bytes=b * model_params(shape),
+        weight_bytes=b * model_params(model),
         kv_bytes_per_token_per_layer=kv_bytes_per_token(
             shape.num_kv_heads, shape.head_dim, 1, kv_b
         ),
@@ -478,12 +509,12 @@ def check_inputs(hw: Hardware, context_len: int, num_tokens: int) -> None:
 # --- model lookup --------------------------------------------------------------------------------
 
 
-def load_model(spec: str, dtype: str | None = None) -> ModelShape:
+def load_model(spec: str, dtype: str | None = None) -> PlanModel:
     """A preset by name (any case), a Hugging Face model folder, or a config.json path."""
-    presets = {name.lower(): shape for name, shape in PRESETS.items()}
+    presets = {name.lower(): model for name, model in PRESETS.items()}
     if spec.lower() in presets:
-        shape = presets[spec.lower()]
-        return shape if dtype is None else replace(shape, dtype=dtype)
+        model = presets[spec.lower()]
+        return model if dtype is None else replace(model, dtype=dtype)
     path = Path(spec)
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
@@ -495,25 +526,21 @@ def load_model(spec: str, dtype: str | None = None) -> ModelShape:
     cfg = ModelConfig.from_dict(read_config_json(config_path), source=str(config_path))
     name = (path if path.is_dir() else config_path.parent).resolve().name or str(config_path)
     model_dtype = dtype or cfg.torch_dtype
-    if model_dtype not in DTYPE_BYTES:
+    if model_dtype not in DTYPE_CHOICES:
         raise ConfigError(
             f"{config_path} stores {model_dtype} weights, which plan cannot size; pass --dtype"
         )
-    return ModelShape(
-        name=name,
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        intermediate_size=cfg.intermediate_size,
-        vocab_size=cfg.vocab_size,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        dtype=model_dtype,
-    )
+    return PlanModel(name, cfg, model_dtype)
 
 
 # --- text ----------------------------------------------------------------------------------------
+
+
+def report_json(report: Report) -> dict[str, object]:
+    """The report as --json prints it; the model as its name, shape fields and dtype."""
+    model = report.model
+    shape = {field: getattr(model.config, field) for field in SHAPE_FIELDS}
+    return {**asdict(report), "model": {"name": model.name, **shape, "dtype": model.dtype}}
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -556,15 +583,17 @@ def _rows(report: Report) -> list[LayoutPlan]:
 
 def render(report: Report) -> str:
     m, hw = report.model, report.hardware
+    shape = m.config
     nodes = math.ceil(hw.num_gpus / hw.gpus_per_node)
     base = report.baseline
     plans = _rows(report)
     lines = [
-        f"model     {m.name}: L={m.num_layers}, d={m.hidden_size}, {m.num_heads} heads, "
-        f"{m.num_kv_heads} KV heads, head_dim {m.head_dim}, {m.dtype}",
+        f"model     {m.name}: L={shape.num_layers}, d={shape.hidden_size}, "
+        f"{shape.num_heads} heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}, "
+        f"{m.dtype}",
         f"          {format_bytes(report.weight_bytes)} of weights; KV "
         f"{format_bytes(report.kv_bytes_per_token_per_layer)}/token/layer, "
-        f"{format_bytes(report.kv_bytes_per_token)}/token for all {m.num_layers} layers "
+        f"{format_bytes(report.kv_bytes_per_token)}/token for all {shape.num_layers} layers "
         f"({report.kv_dtype})",
         f"hardware  {hw.num_gpus} GPUs, {hw.gpus_per_node} per node ({nodes} node"
         f"{'s' if nodes > 1 else ''}); {hw.gpu_mem_gib:g} GiB x {hw.mem_util:g} - "
@@ -615,7 +644,7 @@ def render(report: Report) -> str:
     lines += [format_table(headers, rows)]
     lines.append("  seam bytes: 2 x d x bytes (hidden + residual), split over the TP ranks")
     if base.tp_size > 1:
-        seam = seam_bytes(1, m.hidden_size, DTYPE_BYTES[m.dtype])
+        seam = seam_bytes(1, shape.hidden_size, dtype_bytes(m.dtype))
         lines.append(
             f"  per token, a {base.label.split()[0]} rank all-reduces "
             f"{format_bytes(base.allreduce_bytes_per_token)}; a PP seam sends "
@@ -684,8 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a preset ({', '.join(PRESETS)}), a Hugging Face model folder, or its config.json "
         "(default: %(default)s)",
     )
-    add("--dtype", choices=sorted(DTYPE_BYTES), metavar="DTYPE", help="weights (default: model's)")
-    add("--kv-dtype", choices=sorted(DTYPE_BYTES), metavar="DTYPE", help="KV (default: --dtype)")
+    add("--dtype", choices=DTYPE_CHOICES, metavar="DTYPE", help="weights (default: model's)")
+    add("--kv-dtype", choices=DTYPE_CHOICES, metavar="DTYPE", help="KV (default: --dtype)")
     add("--gpus", type=int, default=hw.num_gpus, help="GPUs every layout uses (%(default)s)")
     add(
         "--gpus-per-node",
@@ -735,9 +764,9 @@ def main(argv: list[str] | None = None) -> int:
         link_gbps=args.link_gbps,
     )
     try:
-        shape = load_model(args.model, args.dtype)
+        model = load_model(args.model, args.dtype)
         report = build_report(
-            shape,
+            model,
             hw,
             context_len=args.context,
             num_tokens=args.tokens,
@@ -751,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ppring plan: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(asdict(report), indent=2))
+        print(json.dumps(report_json(report), indent=2))
     else:
         print(render(report))
     return 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgpack
 
+from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
 from protocol.messages import ALL_KINDS
 from protocol.schema import Limits, TensorField, field_types, from_wire, tensor_fields, to_wire
@@ -32,14 +33,9 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 PROTOCOL_VERSION = 1
 DEFAULT_LIMITS = Limits()
 
-# name on the wire -> (torch dtype attribute, bytes per element)
-DTYPES: dict[str, tuple[str, int]] = {
-    "float32": ("float32", 4),
-    "bfloat16": ("bfloat16", 2),
-    "float16": ("float16", 2),
-    "int32": ("int32", 4),
-    "int64": ("int64", 8),
-}
+# The dtypes a tensor may travel in: name on the wire (torch's spelling) -> its protocol/dtypes.py
+# row, which holds the bytes per element.
+DTYPES = WIRE_DTYPES
 RESERVED_KEYS = ("v", "kind", "tensors")
 
 Frame = Any  # bytes, memoryview, or zmq.Frame
@@ -204,7 +200,7 @@ def _frame_to_tensor(name: str, meta: Any, buffer: memoryview, limits: Limits) -
     if nbytes > limits.max_frame_bytes:
         raise ProtocolError(f"tensor {name} frame of {nbytes} bytes exceeds the cap")
     # Python ints do not overflow, so a huge declared shape is caught here before any allocation.
-    expected = math.prod(shape) * DTYPES[dtype_name][1]
+    expected = math.prod(shape) * DTYPES[dtype_name].num_bytes
     if expected != nbytes:
         raise ProtocolError(f"tensor {name} declares {expected} bytes, its frame has {nbytes}")
 
@@ -213,7 +209,7 @@ def _frame_to_tensor(name: str, meta: Any, buffer: memoryview, limits: Limits) -
         import torch
 
         _torch = torch
-    dtype = getattr(_torch, DTYPES[dtype_name][0])
+    dtype = getattr(_torch, dtype_name)
     if expected == 0:
         return _torch.empty(shape, dtype=dtype)
     tensor = _torch.frombuffer(buffer, dtype=dtype)

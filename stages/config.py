@@ -11,13 +11,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from protocol.dtypes import dtype_bytes
 from stages.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-# Bytes per element of the dtypes a stage may run in.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The dtypes a stage may compute in (protocol/dtypes.py holds their sizes).
+STAGE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,6 @@ def read_config_json(config_path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_path} holds no JSON object; pass a model's config.json")
     return raw
-
-
-def dtype_bytes(dtype: object) -> int:
-    """Bytes per element of a dtype given by name ("bfloat16") or as a torch.dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"--dtype {name} is not supported; use float32 or bfloat16")
-    return DTYPE_BYTES[name]
 
 
 def _check_architecture(raw: dict[str, Any], source: str) -> str:

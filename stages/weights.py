@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from stages.config import ModelConfig
+from stages.config import STAGE_DTYPES, ModelConfig
 from stages.errors import ConfigError
 
 # Names inside one decoder layer, relative to `model.layers.{i}.`.
@@ -33,7 +33,7 @@ EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in STAGE_DTYPES}
 
 
 @dataclass
