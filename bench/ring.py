@@ -117,8 +117,8 @@ def _drive(driver: RingDriver, requests: list) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise TimeoutError("the simulated ring did not finish within 600 s")
         driver.poll(0.05)
-        if any(c.op == "error" for c in driver.ctrl):
-            raise RuntimeError(f"the ring reported an error: {driver.ctrl[-1].info}")
+        if (error := driver.ring_error()) is not None:
+            raise RuntimeError(f"the ring reported an error: {error.message}")
         got = sum(len(driver.tokens[rid]) for rid in rids)
         for share in STEADY:
             if share not in marks and got >= share * total:

@@ -3,7 +3,7 @@
 One asyncio loop (uvloop when available) with two tasks:
 - clients: a ROUTER socket. Each `generate` is validated (the schema, then the prompt against
   the context length), tokenized (chat template for `messages`) and sent to stage 0 as a
-  `reqs` message; an `abort` is passed on. A bad message gets `error` at once and disturbs
+  `submit` message; an `abort` is passed on. A bad message gets `error` at once and disturbs
   nothing else.
 - ring: stage 0's `deltas`. New tokens are detokenized incrementally and streamed as `chunk`;
   stop strings are applied here (the request is then aborted in the ring); a finish sends
@@ -28,14 +28,17 @@ from protocol.errors import ProtocolError
 from protocol.messages import (
     Abort,
     Chunk,
-    Ctrl,
     Deltas,
     Done,
     Error,
     Generate,
     NewRequest,
-    Reqs,
     RequestDelta,
+    RingError,
+    RingReady,
+    Shutdown,
+    StopServing,
+    Submit,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class Frontend:
         self.next_seq = 0
         self.ring_error: str | None = None
         self.ring_ready = asyncio.Event()
-        self.ring_info: dict[str, Any] = {}
+        self.num_kv_blocks = 0  # what the ring agreed, once ready
         self.stopped = asyncio.Event()
         self.num_bad_messages = 0
 
@@ -96,7 +99,7 @@ class Frontend:
 
     def request_shutdown(self) -> None:
         """Ask stage 0 to fail what it holds and take the ring down gracefully."""
-        self.intake.send(Ctrl(op="shutdown", rank=-1))
+        self.intake.send(StopServing())
 
     def ring_down(self, reason: str, quiet: bool = False) -> None:
         """The ring cannot serve: error everything in flight, and everything that comes."""
@@ -191,7 +194,7 @@ class Frontend:
     def _to_ring(
         self, new: list[NewRequest] | None = None, aborts: list[str] | None = None
     ) -> None:
-        self.intake.send(Reqs(slot=0, step=self.next_seq, new=new or [], aborts=aborts or []))
+        self.intake.send(Submit(seq=self.next_seq, new=new or [], aborts=aborts or []))
         self.next_seq += 1
 
     # -- the ring -------------------------------------------------------------------------------
@@ -206,22 +209,21 @@ class Frontend:
             if isinstance(msg, Deltas):
                 for delta in msg.deltas:
                     await self._apply(delta)
-            elif isinstance(msg, Ctrl):
-                if msg.op == "ready":
-                    self.ring_info = dict(msg.info)
-                    self.ring_ready.set()
-                elif msg.op == "error":
-                    self.ring_down(str(msg.info.get("message", "a stage failed")))
-                elif msg.op == "shutdown":
-                    logger.info("the ring shut down")
-                    self.ring_down("the ring shut down", quiet=True)
+            elif isinstance(msg, RingReady):
+                self.num_kv_blocks = msg.num_kv_blocks
+                self.ring_ready.set()
+            elif isinstance(msg, RingError):
+                self.ring_down(msg.message or "a stage failed")
+            elif isinstance(msg, Shutdown):
+                logger.info("the ring shut down")
+                self.ring_down("the ring shut down", quiet=True)
 
     async def _apply(self, delta: RequestDelta) -> None:
         req = self.inflight.get(delta.rid)
         if req is None:
             return  # e.g. finished here by a stop string; the ring's abort answer comes later
         now = time.monotonic()
-        if delta.token_id >= 0:
+        if delta.token_id is not None:
             req.num_tokens += 1
             req.first_token_at = req.first_token_at or now
             text = req.detok.add(delta.token_id)

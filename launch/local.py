@@ -205,7 +205,7 @@ async def _serve(
     try:
         while not frontend.stopped.is_set():
             if frontend.ring_ready.is_set() and not announced:
-                blocks = frontend.ring_info.get("num_kv_blocks", 0)
+                blocks = frontend.num_kv_blocks
                 print(f"KV blocks agreed: {blocks} ({blocks * BLOCK_SIZE} tokens)", flush=True)
                 print(f"ready: {frontend.addr}", flush=True)
                 announced = True

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.messages import RingReady
 from ring.harness import RingDriver
 from ring.topology import RingAddresses
 
@@ -159,7 +160,7 @@ class ProcessRing:
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until stage 0 says the ring agreed its KV capacity."""
         deadline = time.monotonic() + timeout_s
-        while not any(c.op == "ready" for c in self.driver.ctrl):
+        while not any(isinstance(c, RingReady) for c in self.driver.ctrl):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the ring was not ready within {timeout_s:.0f} s")
             dead = self.group.poll_dead()

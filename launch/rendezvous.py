@@ -1,11 +1,11 @@
 """Multi-node start-up (DESIGN.md §8): every node registers with node 0, node 0 checks them.
 
 Node 0 runs a ROUTER at `--dist-init-addr`; every node (node 0 too) connects a DEALER and sends
-`ctrl hello` with its rank, the host its stage listens on, the model's config hash, the layer
+a `NodeHello` with its rank, the host its stage listens on, the model's config hash, the layer
 partition and the ring's shape. Node 0 answers:
-- at once with `ctrl error` to a node whose rank is taken, out of range, or whose model,
+- at once with a `RingError` to a node whose rank is taken, out of range, or whose model,
   partition or flags differ from node 0's (one sentence saying which and how to fix it);
-- with `ctrl ready` and every stage's host, once all ranks have registered.
+- with `NodeHosts`, every stage's host, once all ranks have registered.
 
 Start-up order is free: ZeroMQ connects whenever the other side appears. A rendezvous that
 waits longer than its deadline names the ranks still missing (vLLM #26318 and SGLang #18366
@@ -15,13 +15,11 @@ hang silently instead).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
 from protocol.channels import BadClientMessage, ChannelTimeout, DealerChannel, RouterChannel
-from protocol.messages import Ctrl
+from protocol.messages import NodeHello, NodeHosts, RingError
 
 # What every node must agree on with node 0, and what to tell a node that does not.
 MUST_MATCH = {
@@ -37,15 +35,8 @@ class RendezvousError(RuntimeError):
     """Start-up could not complete; the text says what to fix."""
 
 
-@dataclass
-class Registration:
-    rank: int
-    host: str
-    info: dict[str, Any]
-
-
 def serve_rendezvous(
-    addr: str, nnodes: int, deadline_s: float, own: dict[str, Any] | None = None
+    addr: str, nnodes: int, deadline_s: float, own: NodeHello | None = None
 ) -> list[str]:
     """Node 0: collect every rank's hello, check it, answer; return the stage hosts by rank.
 
@@ -53,7 +44,7 @@ def serve_rendezvous(
     the first registration of rank 0 is used.
     """
     router = RouterChannel(addr)
-    registered: dict[int, Registration] = {}
+    registered: dict[int, NodeHello] = {}
     identities: dict[int, bytes] = {}
     reference = own
     deadline = time.monotonic() + deadline_s
@@ -70,21 +61,23 @@ def serve_rendezvous(
                 identity, msg = router.recv(timeout_s=min(remaining, 1.0))
             except ChannelTimeout:
                 continue
-            except BadClientMessage:
-                continue  # not one of ours
-            if not isinstance(msg, Ctrl) or msg.op != "hello":
+            except BadClientMessage as exc:  # e.g. a node of another ppring version
+                problem = f"node 0's rendezvous could not read this node's hello: {exc}"
+                router.send(exc.identity, RingError(rank=0, message=problem))
+                continue
+            if not isinstance(msg, NodeHello):
                 continue
             problem = _check(msg, nnodes, registered, reference)
             if problem:
-                router.send(identity, Ctrl(op="error", rank=0, info={"message": problem}))
+                router.send(identity, RingError(rank=0, message=problem))
                 continue
             if msg.rank == 0 and reference is None:
-                reference = msg.info
-            registered[msg.rank] = Registration(msg.rank, str(msg.info["host"]), msg.info)
+                reference = msg
+            registered[msg.rank] = msg
             identities[msg.rank] = identity
         hosts = [registered[r].host for r in range(nnodes)]
         for identity in identities.values():
-            router.send(identity, Ctrl(op="ready", rank=0, info={"hosts": hosts}))
+            router.send(identity, NodeHosts(rank=0, hosts=hosts))
         time.sleep(0.2)  # let the answers leave before the socket closes
         return hosts
     finally:
@@ -92,7 +85,7 @@ def serve_rendezvous(
 
 
 def _check(
-    msg: Ctrl, nnodes: int, registered: dict[int, Registration], reference: dict | None
+    msg: NodeHello, nnodes: int, registered: dict[int, NodeHello], reference: NodeHello | None
 ) -> str:
     rank = msg.rank
     if not 0 <= rank < nnodes:
@@ -102,20 +95,20 @@ def _check(
         return f"rank {rank} is already registered (from {other}): give each node its own rank"
     if reference is not None:
         for key, what in MUST_MATCH.items():
-            if msg.info.get(key) != reference.get(key):
+            if getattr(msg, key) != getattr(reference, key):
                 return (
-                    f"node {rank} {what}: {msg.info.get(key)!r} here, "
-                    f"{reference.get(key)!r} on node 0"
+                    f"node {rank} {what}: {getattr(msg, key)!r} here, "
+                    f"{getattr(reference, key)!r} on node 0"
                 )
     return ""
 
 
-def register(addr: str, rank: int, info: dict[str, Any], deadline_s: float) -> list[str]:
+def register(addr: str, hello: NodeHello, deadline_s: float) -> list[str]:
     """Every node: say hello to node 0's rendezvous; return the stage hosts by rank."""
     ctx = zmq.Context.instance()
     dealer = DealerChannel(addr, ctx=ctx)
     try:
-        dealer.send(Ctrl(op="hello", rank=rank, info=info))
+        dealer.send(hello)
         try:
             answer = dealer.recv(timeout_s=deadline_s)
         except ChannelTimeout:
@@ -123,8 +116,10 @@ def register(addr: str, rank: int, info: dict[str, Any], deadline_s: float) -> l
                 f"no answer from the rendezvous at {addr} within {deadline_s:.0f} s: is node 0 "
                 f"running, and are all ranks started?"
             ) from None
-        if answer.op == "error":
-            raise RendezvousError(str(answer.info.get("message")))
-        return [str(h) for h in answer.info["hosts"]]
+        if isinstance(answer, RingError):
+            raise RendezvousError(answer.message)
+        if not isinstance(answer, NodeHosts):
+            raise RendezvousError(f"the rendezvous at {addr} answered {answer.kind}, not hosts")
+        return list(answer.hosts)
     finally:
         dealer.close(linger_ms=0)

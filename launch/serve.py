@@ -24,6 +24,7 @@ from launch.flags import add_flags, agreed_flags
 from launch.local import run_frontend, stage_argv, summary
 from launch.procs import ProcessGroup
 from launch.rendezvous import RendezvousError, register, serve_rendezvous
+from protocol.messages import NodeHello
 from ring.topology import DEFAULT_PORT, RingAddresses
 
 logger = logging.getLogger("ppring")
@@ -77,10 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.node_rank == 0:
         for line in startup.lines:
             print(line, flush=True)
-    info = hello_info(args, startup.config.config_hash, startup.partition)
+    hello = NodeHello(
+        rank=args.node_rank, **hello_info(args, startup.config.config_hash, startup.partition)
+    )
     rendezvous_addr = f"tcp://{args.dist_init_addr}"
     try:
-        hosts = _rendezvous(args, rendezvous_addr, info)
+        hosts = _rendezvous(args, rendezvous_addr, hello)
     except (RendezvousError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -99,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         group.stop()
 
 
-def _rendezvous(args: argparse.Namespace, addr: str, info: dict) -> list[str]:
+def _rendezvous(args: argparse.Namespace, addr: str, hello: NodeHello) -> list[str]:
     if args.node_rank != 0:
-        return register(addr, args.node_rank, info, args.rendezvous_timeout)
+        return register(addr, hello, args.rendezvous_timeout)
     result: dict[str, object] = {}
 
     def run() -> None:
         try:
-            result["hosts"] = serve_rendezvous(addr, args.nnodes, args.rendezvous_timeout, info)
+            result["hosts"] = serve_rendezvous(addr, args.nnodes, args.rendezvous_timeout, hello)
         except RendezvousError as exc:
             result["error"] = exc
         except OSError as exc:
@@ -120,7 +123,7 @@ def _rendezvous(args: argparse.Namespace, addr: str, info: dict) -> list[str]:
     if "error" in result:
         raise result["error"]
     try:
-        hosts = register(addr, 0, info, args.rendezvous_timeout + 5)
+        hosts = register(addr, hello, args.rendezvous_timeout + 5)
     except RendezvousError:
         thread.join(5)
         if "error" in result:

@@ -1,7 +1,8 @@
 """The codec: one message = one ZeroMQ multipart message, no pickle.
 
-Frame 0 is a msgpack map: `v` (protocol version), `kind`, the message's non-tensor fields, and
-`tensors`, a list of `{name, dtype, shape}`. Then one raw frame per tensor, in that order.
+Frame 0 is a msgpack map: `v` (protocol version), `kind` (and `op`, for a control message), the
+message's non-tensor fields, and `tensors`, a list of `{name, dtype, shape}`. Then one raw frame
+per tensor, in that order.
 
 Encoding copies nothing it need not: a tensor frame is a memoryview over the tensor's own
 storage (the channel hands it to ZeroMQ with `copy=False`, which keeps a reference until sent).
@@ -22,7 +23,7 @@ import msgpack
 
 from protocol.dtypes import WIRE_DTYPES
 from protocol.errors import ProtocolError
-from protocol.messages import ALL_KINDS
+from protocol.messages import message_class
 from protocol.schema import Limits, TensorField, field_types, from_wire, tensor_fields, to_wire
 
 # ZeroMQ's frames are read-only memoryviews and torch says so once per process; a stage only
@@ -36,17 +37,19 @@ DEFAULT_LIMITS = Limits()
 # The dtypes a tensor may travel in: name on the wire (torch's spelling) -> its protocol/dtypes.py
 # row, which holds the bytes per element.
 DTYPES = WIRE_DTYPES
-RESERVED_KEYS = ("v", "kind", "tensors")
+RESERVED_KEYS = ("v", "kind", "op", "tensors")
 
 Frame = Any  # bytes, memoryview, or zmq.Frame
 
 
 def encode(msg: Any) -> list[Any]:
     """Frames for one message: [header, tensor frames...]. Tensor frames are zero-copy views."""
-    kind = getattr(type(msg), "kind", None)
-    if kind not in ALL_KINDS or type(msg) is not ALL_KINDS[kind]:
+    kind, op = getattr(type(msg), "kind", None), getattr(type(msg), "op", None)
+    if message_class(kind, op) is not type(msg):
         raise ProtocolError(f"cannot encode a {type(msg).__name__}: it is not a message kind")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": kind}
+    if op is not None:
+        header["op"] = op
     names = tensor_fields(type(msg))
     tensor_meta = []
     frames: list[Any] = [None]
@@ -126,9 +129,11 @@ def _decode_one(
     if header.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {header.get('v')!r} is not {PROTOCOL_VERSION}")
     kind = header.get("kind")
-    if not isinstance(kind, str) or kind not in ALL_KINDS:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    cls = ALL_KINDS[kind]
+    cls = message_class(kind, header.get("op"))
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r} (op {header.get('op')!r})")
+    if "op" in header and not hasattr(cls, "op"):
+        raise ProtocolError(f"{kind} has unknown field 'op'")
     tensors_meta = header.get("tensors")
     if not isinstance(tensors_meta, list):
         raise ProtocolError("header field 'tensors' must be a list")

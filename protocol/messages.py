@@ -1,7 +1,7 @@
 """Every message kind on the wire: one frozen dataclass per kind.
 
 Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`) and between stage 0 and the
-frontend (`reqs` in, `deltas` out); client kinds travel
+frontend (`submit` and `stop_serving` in, `deltas` and `ctrl` out); client kinds travel
 between a client and the frontend (`generate`, `abort`, `chunk`, `done`, `error`). Fields typed
 `Tensor` travel as raw frames after the msgpack header (protocol/codec.py); every other field
 travels inside the header and is type-checked on decode (protocol/schema.py).
@@ -24,9 +24,6 @@ from protocol.sampling import SamplingParams
 if TYPE_CHECKING:
     from torch import Tensor
 
-# Ctrl operations. `hello`/`ready` are start-up handshakes, `heartbeat` proves the ring is alive
-# while idle, `shutdown` drains the ring, `error` carries a fatal condition to every stage.
-CTRL_OPS = ("hello", "ready", "heartbeat", "shutdown", "error")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -88,19 +85,110 @@ class Output:
     logprobs: list[float] | None = None
 
 
-@dataclass(frozen=True)
-class Ctrl:
-    """Control messages. Not numbered per slot: any stage may originate one (e.g. `error`)."""
+class Control:
+    """Control messages: one frozen dataclass per `op`, all of kind `ctrl` on the wire (the
+    header names the op). Not numbered per slot: any stage may originate one (e.g. an error).
+    `rank` is the stage that originated it."""
 
     kind: ClassVar[str] = "ctrl"
-    op: str
-    rank: int  # the stage that originated it
-    seq: int = 0
-    info: dict[str, Any] = field(default_factory=dict)  # JSON-like values only
+    op: ClassVar[str]
 
-    def __post_init__(self) -> None:
-        if self.op not in CTRL_OPS:
-            raise ProtocolError(f"ctrl op must be one of {', '.join(CTRL_OPS)}, got {self.op!r}")
+
+@dataclass(frozen=True)
+class StageHello(Control):
+    """Ring start-up, from stage 0 round the ring: each stage checks the model and ring shape
+    are its own and lowers `num_kv_blocks` to what it can hold, so stage 0 gets the minimum."""
+
+    op: ClassVar[str] = "hello"
+    rank: int
+    num_kv_blocks: int
+    config_hash: str
+    pp_loop_size: int
+    context_length: int
+
+
+@dataclass(frozen=True)
+class RingReady(Control):
+    """The agreed KV capacity, round the ring from stage 0 and then to the frontend."""
+
+    op: ClassVar[str] = "ready"
+    rank: int
+    num_kv_blocks: int
+
+
+@dataclass(frozen=True)
+class Heartbeat(Control):
+    """Stage 0, idle: proves the ring is alive when it comes back round."""
+
+    op: ClassVar[str] = "heartbeat"
+    rank: int
+    seq: int = 0
+
+
+@dataclass(frozen=True)
+class Shutdown(Control):
+    """Drains the ring: round it from stage 0 after `step`, then to the frontend."""
+
+    op: ClassVar[str] = "shutdown"
+    rank: int
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class RingError(Control):
+    """A fatal condition, to every stage and the frontend; `message` says what and where."""
+
+    op: ClassVar[str] = "error"
+    rank: int
+    message: str
+
+
+@dataclass(frozen=True)
+class NodeHello(Control):
+    """Multi-node start-up: a node registers with node 0's rendezvous (launch/rendezvous.py).
+    `ring_flags`: the scheduling flags every node must be given alike, by flag name."""
+
+    op: ClassVar[str] = "register"
+    rank: int
+    host: str
+    config_hash: str
+    partition: list[int]
+    nnodes: int
+    port: int
+    ring_flags: dict[str, Any]  # JSON-like values only
+
+
+@dataclass(frozen=True)
+class NodeHosts(Control):
+    """The rendezvous' answer once every rank has registered: each stage's host, by rank."""
+
+    op: ClassVar[str] = "hosts"
+    rank: int
+    hosts: list[str]
+
+
+CTRL_OPS: dict[str, type] = {
+    cls.op: cls
+    for cls in (StageHello, RingReady, Heartbeat, Shutdown, RingError, NodeHello, NodeHosts)
+}
+
+
+@dataclass(frozen=True)
+class Submit:
+    """The frontend to stage 0: requests and aborts, numbered in the order they were sent.
+    Stage 0 gathers every `Submit` that arrived before a step into that step's `Reqs`."""
+
+    kind: ClassVar[str] = "submit"
+    seq: int
+    new: list[NewRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StopServing:
+    """The frontend to stage 0: fail every request held and shut the ring down."""
+
+    kind: ClassVar[str] = "stop_serving"
 
 
 @dataclass(frozen=True)
@@ -108,7 +196,7 @@ class RequestDelta:
     """What one step did to one request, as stage 0 tells the frontend."""
 
     rid: str
-    token_id: int  # the new token, or -1 when the request finished without one (abort, reject)
+    token_id: int | None  # the new token; None when the request finished without one
     logprob: float | None
     finish_reason: str  # "" while the request goes on
     error: str = ""  # why, when finish_reason is "error"
@@ -213,9 +301,19 @@ class Error:
     message: str
 
 
-RING_KINDS: dict[str, type] = {cls.kind: cls for cls in (Reqs, Proxy, Output, Ctrl, Deltas)}
+RING_KINDS: dict[str, type] = {
+    cls.kind: cls for cls in (Reqs, Proxy, Output, Control, Submit, StopServing, Deltas)
+}
 CLIENT_KINDS: dict[str, type] = {cls.kind: cls for cls in (Generate, Abort, Chunk, Done, Error)}
 ALL_KINDS: dict[str, type] = {**RING_KINDS, **CLIENT_KINDS}
 
 # Kinds whose (slot, step) a receiver checks for continuity.
 SEQUENCED_KINDS = ("reqs", "proxy", "output")
+
+
+def message_class(kind: object, op: object = None) -> type | None:
+    """The dataclass of a message kind (of a control op for kind `ctrl`); None: no such kind."""
+    cls = ALL_KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is Control:
+        return CTRL_OPS.get(op) if isinstance(op, str) else None
+    return cls

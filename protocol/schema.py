@@ -185,7 +185,7 @@ def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
 
 
 def _check_json_like(value: Any, path: str, limits: Limits, depth: int) -> None:
-    """Ctrl payloads: nested maps/lists of scalars, bounded in depth."""
+    """`Any` fields (a node's ring flags): nested maps/lists of scalars, bounded in depth."""
     if depth > MAX_ANY_DEPTH:
         raise ProtocolError(f"field {path} is nested deeper than {MAX_ANY_DEPTH}")
     if value is None or isinstance(value, (bool, int, float)):

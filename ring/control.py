@@ -1,28 +1,38 @@
 """A stage's control path, apart from its data steps: the start-up handshake, liveness
 (heartbeats while idle, a timeout while waiting), shutdown and failure reports.
 
-Control messages (`Ctrl`) travel the same links as the data, round the ring from the stage that
-sent them back to it. `RingControl.recv` is how the loop waits for any data message: it handles
-the control messages that arrive meanwhile, so an error or a shutdown wakes a stage from any
-wait.
+Control messages (one `protocol.messages.Control` class per op) travel the same links as the
+data, round the ring from the stage that sent them back to it. `RingControl.recv` is how the
+loop waits for any data message: it handles the control messages that arrive meanwhile, so an
+error or a shutdown wakes a stage from any wait.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
 from protocol.channels import ChannelTimeout, PullChannel
 from protocol.demux import DemuxReceiver, SequenceError
-from protocol.messages import Ctrl
+from protocol.messages import (
+    Control,
+    Heartbeat,
+    RingError,
+    RingReady,
+    Shutdown,
+    StageHello,
+)
 from ring.config import RingConfig
 from ring.links import Links
 
 logger = logging.getLogger(__name__)
+
+ControlT = TypeVar("ControlT", bound=Control)
 
 
 class RingDown(RuntimeError):
@@ -54,56 +64,51 @@ class RingControl:
         self.receiver = receiver
         self.prefix = f"[pp{cfg.rank}]"
         self.last_heard = time.monotonic()
-        self.next_seq = 0
+        self.next_heartbeat = 0
 
     # -- start-up ------------------------------------------------------------------------------
 
-    def handshake(self, mine: dict[str, Any]) -> int:
+    def handshake(self, mine: StageHello) -> int:
         """Agree one KV capacity (the minimum over stages) and check every stage serves the same
         model and ring shape; returns the agreed block count (SGLang PR #10214 crashed on
-        stages with different pool sizes). `mine`: num_kv_blocks and AGREED_FIELDS."""
+        stages with different pool sizes)."""
         if self.cfg.pp_size == 1:
-            return mine["num_kv_blocks"]
+            return mine.num_kv_blocks
         if self.cfg.is_first_stage:
-            self.send("hello", mine)
-            agreed = self.wait("hello").info["num_kv_blocks"]  # the minimum, once round
-            self.send("ready", {"num_kv_blocks": agreed})
-            self.wait("ready")
+            self.links.next.send(mine)
+            agreed = self.wait(StageHello).num_kv_blocks  # the minimum, once round
+            self.links.next.send(RingReady(rank=0, num_kv_blocks=agreed))
+            self.wait(RingReady)
             return agreed
-        hello = self.wait("hello")
+        hello = self.wait(StageHello)
         for key in AGREED_FIELDS:
-            if hello.info[key] != mine[key]:
+            if getattr(hello, key) != getattr(mine, key):
                 raise RingDown(
-                    f"{self.prefix} {key} differs from stage 0's ({mine[key]!r} vs "
-                    f"{hello.info[key]!r}): every stage must serve the same model and flags"
+                    f"{self.prefix} {key} differs from stage 0's ({getattr(mine, key)!r} vs "
+                    f"{getattr(hello, key)!r}): every stage must serve the same model and flags"
                 )
-        blocks = min(hello.info["num_kv_blocks"], mine["num_kv_blocks"])
-        info = dict(hello.info, num_kv_blocks=blocks)
-        self.links.next.send(Ctrl(op="hello", rank=hello.rank, seq=hello.seq, info=info))
-        ready = self.wait("ready")
+        blocks = min(hello.num_kv_blocks, mine.num_kv_blocks)
+        self.links.next.send(dataclasses.replace(hello, num_kv_blocks=blocks))
+        ready = self.wait(RingReady)
         self.links.next.send(ready)
-        return ready.info["num_kv_blocks"]
+        return ready.num_kv_blocks
 
     # -- control messages ------------------------------------------------------------------------
 
-    def send(self, op: str, info: dict[str, Any]) -> None:
-        self.links.next.send(Ctrl(op=op, rank=self.cfg.rank, seq=self.next_seq, info=info))
-        self.next_seq += 1
-
-    def wait(self, op: str) -> Ctrl:
-        """The next control message `op` (an error report raises RingDown instead)."""
+    def wait(self, kind: type[ControlT]) -> ControlT:
+        """The next control message of this type (an error report raises RingDown instead)."""
         deadline = time.monotonic() + self.cfg.ring_timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 msg = self.receiver.recv("ctrl", timeout_s=remaining)
             except ChannelTimeout:
                 continue
-            if msg.op == op:
+            if isinstance(msg, kind):
                 return msg
-            if msg.op == "error":
-                raise RingDown(str(msg.info.get("message", "")), msg.rank)
+            if isinstance(msg, RingError):
+                raise RingDown(msg.message, msg.rank)
         raise RingDown(
-            f"{self.prefix} no ctrl {op} within {self.cfg.ring_timeout_s:.0f} s: "
+            f"{self.prefix} no ctrl {kind.op} within {self.cfg.ring_timeout_s:.0f} s: "
             "is every stage running?"
         )
 
@@ -122,14 +127,14 @@ class RingControl:
             self.last_heard = time.monotonic()
             if msg.kind == kind:
                 return msg
-            if msg.op == "error":
-                raise RingDown(str(msg.info.get("message", "")), msg.rank)
-            if msg.op in ("heartbeat", "shutdown") and msg.rank != self.cfg.rank:
-                self.links.next.send(msg)  # round the ring, back to the stage that sent it
-            if msg.op == "shutdown":
-                return None
-            if msg.op != "heartbeat":
+            if isinstance(msg, RingError):
+                raise RingDown(msg.message, msg.rank)
+            if not isinstance(msg, (Heartbeat, Shutdown)):
                 raise RingDown(f"{self.prefix} unexpected ctrl {msg.op} while running")
+            if msg.rank != self.cfg.rank:
+                self.links.next.send(msg)  # round the ring, back to the stage that sent it
+            if isinstance(msg, Shutdown):
+                return None
 
     # -- idle: heartbeats ------------------------------------------------------------------------
 
@@ -149,7 +154,8 @@ class RingControl:
             if self.receiver is not None:
                 self._drain_idle_ctrl()
             if not events and multi:
-                self.send("heartbeat", {})
+                self.links.next.send(Heartbeat(rank=self.cfg.rank, seq=self.next_heartbeat))
+                self.next_heartbeat += 1
             if multi and time.monotonic() - self.last_heard > self.cfg.ring_timeout_s:
                 raise RingDown(
                     f"{self.prefix} heartbeat did not come back round the ring within "
@@ -159,21 +165,21 @@ class RingControl:
     def _drain_idle_ctrl(self) -> None:
         while (msg := self.receiver.poll("ctrl", 0)) is not None:
             self.last_heard = time.monotonic()
-            if msg.op == "error":
-                raise RingDown(str(msg.info.get("message", "")), msg.rank)
+            if isinstance(msg, RingError):
+                raise RingDown(msg.message, msg.rank)
 
     # -- the end -----------------------------------------------------------------------------------
 
     def shutdown_ring(self, step: int) -> None:
         """Stage 0, idle and asked to stop: send shutdown round the ring and wait for it."""
         if self.cfg.pp_size > 1:
-            self.send("shutdown", {"step": step})
-            self.wait("shutdown")
+            self.links.next.send(Shutdown(rank=0, step=step))
+            self.wait(Shutdown)
         if self.links.deltas is not None:
-            self.links.deltas.send(Ctrl(op="shutdown", rank=0, info={"step": step}))
+            self.links.deltas.send(Shutdown(rank=0, step=step))
         logger.info("%s ring shut down after %d steps", self.prefix, step)
 
-    def pending_error(self, timeout_s: float) -> Ctrl | None:
+    def pending_error(self, timeout_s: float) -> RingError | None:
         """An error report already on its way to this stage, if any."""
         if self.receiver is None:
             return None
@@ -183,7 +189,7 @@ class RingControl:
                 msg = self.receiver.recv("ctrl", timeout_s=remaining)
             except (ChannelTimeout, SequenceError):
                 return None
-            if msg.op == "error":
+            if isinstance(msg, RingError):
                 return msg
         return None
 
@@ -197,7 +203,7 @@ class RingControl:
             logger.error("%s", message)
         else:
             logger.error("%s stopping: stage %d reported: %s", self.prefix, origin, message)
-        msg = Ctrl(op="error", rank=origin, info={"message": message})
+        msg = RingError(rank=origin, message=message)
         targets = [self.links.deltas]
         if (self.cfg.rank + 1) % self.cfg.pp_size != origin:
             targets.append(self.links.next)

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 import zmq
 
 from protocol.channels import ChannelTimeout, PullChannel, PushChannel
-from protocol.messages import Ctrl, Deltas, NewRequest, Reqs, RequestDelta
+from protocol.messages import (
+    Control,
+    Deltas,
+    NewRequest,
+    RequestDelta,
+    RingError,
+    StopServing,
+    Submit,
+)
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
 from ring.control import ModelInfo
@@ -36,7 +44,7 @@ class RingDriver:
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, RequestDelta] = {}
         self.num_finishes: dict[str, int] = {}
-        self.ctrl: list[Ctrl] = []
+        self.ctrl: list[Control] = []
 
     def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
         for rid, _, _ in requests:
@@ -47,10 +55,10 @@ class RingDriver:
         self._send(aborts=[rid])
 
     def shutdown(self) -> None:
-        self.intake.send(Ctrl(op="shutdown", rank=-1))
+        self.intake.send(StopServing())
 
     def _send(self, new: list | None = None, aborts: list | None = None) -> None:
-        self.intake.send(Reqs(slot=0, step=self.seq, new=new or [], aborts=aborts or []))
+        self.intake.send(Submit(seq=self.seq, new=new or [], aborts=aborts or []))
         self.seq += 1
 
     def poll(self, timeout_s: float) -> bool:
@@ -61,7 +69,7 @@ class RingDriver:
             return False
         if isinstance(msg, Deltas):
             for delta in msg.deltas:
-                if delta.token_id >= 0:
+                if delta.token_id is not None:
                     self.tokens.setdefault(delta.rid, []).append(delta.token_id)
                 if delta.finish_reason:
                     self.finished[delta.rid] = delta
@@ -78,8 +86,12 @@ class RingDriver:
                 missing = sorted(pending - set(self.finished))
                 raise TimeoutError(f"{len(missing)} requests unfinished, e.g. {missing[:5]}")
             self.poll(0.1)
-            if any(c.op == "error" for c in self.ctrl):
-                raise RuntimeError(f"ring reported an error: {self.ctrl[-1].info}")
+            if (error := self.ring_error()) is not None:
+                raise RuntimeError(f"ring reported an error: {error.message}")
+
+    def ring_error(self) -> RingError | None:
+        """The first error a stage reported, if any."""
+        return next((c for c in self.ctrl if isinstance(c, RingError)), None)
 
     def close(self) -> None:
         self.intake.close(0)

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from protocol.demux import DemuxReceiver, SequenceError
-from protocol.messages import RequestDelta
+from protocol.messages import RequestDelta, StageHello
 from ring.config import RingConfig
 from ring.control import ModelInfo, RingControl, RingDown
 from ring.links import Links
@@ -71,12 +71,13 @@ class StageLoop:
     def handshake(self) -> int:
         """Agree the KV capacity round the ring, allocate it, build the scheduler."""
         agreed = self.control.handshake(
-            {
-                "num_kv_blocks": self.stage.num_kv_blocks,
-                "config_hash": self.model.config_hash,
-                "pp_loop_size": self.cfg.pp_loop_size,
-                "context_length": self.model.context_length,
-            }
+            StageHello(
+                rank=self.cfg.rank,
+                num_kv_blocks=self.stage.num_kv_blocks,
+                config_hash=self.model.config_hash,
+                pp_loop_size=self.cfg.pp_loop_size,
+                context_length=self.model.context_length,
+            )
         )
         self.stage.allocate_kv(agreed)
         self.scheduler = Scheduler(
@@ -107,7 +108,7 @@ class StageLoop:
             # A neighbour's socket is gone: it stopped first. Report its reason if it sent one.
             cause = self.control.pending_error(timeout_s=1.0)
             if cause is not None:
-                self.control.fail(str(cause.info.get("message", "")), cause.rank)
+                self.control.fail(cause.message, cause.rank)
             else:
                 self.control.fail(str(exc), None)
             return 1
@@ -184,12 +185,12 @@ class StageLoop:
         self.deltas += finished
         return self._maybe_diverge(batch)
 
-    def _launch(self, batch: Batch, seam: Seam) -> StepHandle:
+    def _launch(self, batch: Batch, seam: Seam | None) -> StepHandle:
         """Start the forward; an empty slot runs none, but its step's messages still go out."""
         self.launched_at = time.monotonic()
         if not batch.entries:
-            return FinishedStep(self.stage.empty_output())
-        return self.stage.launch(batch.chunks, **seam, **self.tail.sampling_args(batch))
+            return FinishedStep(self.stage.empty_output(), seam=not self.stage.is_last_stage)
+        return self.stage.launch(batch.chunks, **(seam or {}), **self.tail.sampling_args(batch))
 
     def _wait(self, handle: StepHandle) -> StageOutput:
         output = handle.wait()

@@ -22,12 +22,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.demux import SequenceError
-from protocol.messages import Ctrl, Deltas, NewRequest, Output, Proxy, Reqs, RequestDelta
+from protocol.messages import (
+    Deltas,
+    NewRequest,
+    Output,
+    Proxy,
+    Reqs,
+    RequestDelta,
+    RingReady,
+    StopServing,
+    Submit,
+)
 from ring.config import RingConfig
 from ring.control import RingControl
 from ring.links import Links
 from ring.scheduler import Batch, DivergenceError, Scheduler
-from stages.contract import Sample, StageOutput
+from stages.contract import Sample, Seam, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +69,9 @@ class FrontendHead:
         new: list[NewRequest] = []
         aborts: list[str] = []
         while (msg := self._next_intake(may_block and not (new or aborts), sched)) is not None:
-            if isinstance(msg, Ctrl) and msg.op == "shutdown":
+            if isinstance(msg, StopServing):
                 self.shutting_down = True
-            elif isinstance(msg, Reqs):
+            elif isinstance(msg, Submit):
                 new += msg.new
                 aborts += msg.aborts
         if self.shutting_down:
@@ -86,13 +96,13 @@ class FrontendHead:
             return None
         return intake.recv(0)
 
-    def take_seam(self, batch: Batch) -> dict[str, Any]:
-        return {}  # the first stage embeds the batch's token ids itself
+    def take_seam(self, batch: Batch) -> Seam | None:
+        return None  # the first stage embeds the batch's token ids itself
 
     def announce_ready(self, num_kv_blocks: int) -> None:
         """Tell the frontend the ring is up, and how many KV blocks it agreed."""
         if self.links.deltas is not None:
-            self.links.deltas.send(Ctrl(op="ready", rank=0, info={"num_kv_blocks": num_kv_blocks}))
+            self.links.deltas.send(RingReady(rank=0, num_kv_blocks=num_kv_blocks))
 
     def send_deltas(self, step: int, deltas: list[RequestDelta]) -> None:
         if deltas and self.links.deltas is not None:
@@ -118,7 +128,7 @@ class RingHead:
             self.links.next.queue(reqs)
         return reqs
 
-    def take_seam(self, batch: Batch) -> dict[str, Any]:
+    def take_seam(self, batch: Batch) -> Seam:
         started = time.monotonic()
         proxy: Proxy = self.control.recv("proxy")
         self.stats.proxy_wait_s += time.monotonic() - started
@@ -129,7 +139,7 @@ class RingHead:
                 f"decided {batch.digest} ({len(batch.entries)} requests): the stages' "
                 "schedulers diverged"
             )
-        return {"hidden_states": proxy.hidden_states, "residual": proxy.residual}
+        return Seam(hidden_states=proxy.hidden_states, residual=proxy.residual)
 
     def announce_ready(self, num_kv_blocks: int) -> None:
         pass  # only stage 0 talks to the frontend

@@ -132,7 +132,7 @@ class Scheduler:
             self.num_arrivals += 1
             error = self._reject_reason(req)
             if error:
-                finished.append(RequestDelta(new.rid, -1, None, "error", error))
+                finished.append(RequestDelta(new.rid, None, None, "error", error))
                 continue
             self.requests[req.rid] = req
             self.waiting.append(req)
@@ -251,7 +251,7 @@ class Scheduler:
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         del self.requests[req.rid]
-        return RequestDelta(req.rid, -1, None, reason)
+        return RequestDelta(req.rid, None, None, reason)
 
     @staticmethod
     def _is_decode(req: Req) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages.batch import SampleResult, SeqChunk
-from stages.contract import FinishedStep, Stage, StageOutput, StepHandle
+from stages.contract import FinishedStep, Seam, Stage, StageOutput, StepHandle
 
 SIM_VOCAB = 50_000
 SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
@@ -136,7 +136,7 @@ class SimStage(Stage):
                 raise ValueError(f"block table names block {max(chunk.block_ids)} beyond the pool")
         duration = self.t0_s + self.t_token_s * num_tokens if chunks else 0.0
         forward = SimForward(self, started, started + duration, self._output(chunks, sampling))
-        return forward if self.overlap else FinishedStep(forward.wait())
+        return forward if self.overlap else FinishedStep(forward.wait(), not self.is_last_stage)
 
     def _output(
         self, chunks: list[SeqChunk], sampling: Sequence[SamplingParams | None] | None
@@ -145,7 +145,7 @@ class SimStage(Stage):
         if not self.is_last_stage:
             # Fresh tensors every step: a buffer handed to ZeroMQ is never written again.
             seam = torch.zeros(num_tokens, self.hidden_size)
-            return {"hidden_states": seam, "residual": seam.clone()}
+            return Seam(hidden_states=seam, residual=seam.clone())
         tokens = []
         for i, chunk in enumerate(chunks):
             if chunk.sample:

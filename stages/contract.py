@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from stages.batch import SampleResult, SeqChunk
 
@@ -29,7 +29,12 @@ if TYPE_CHECKING:
 
     from protocol.sampling import SamplingParams
 
-Seam = dict[str, "torch.Tensor"]  # {"hidden_states": [T, d], "residual": [T, d]}
+
+class Seam(TypedDict):
+    """What a non-last stage hands the next one: its `run` takes these as keyword arguments."""
+
+    hidden_states: torch.Tensor  # [T, d]
+    residual: torch.Tensor  # [T, d]; the un-added residual of the fused add+RMSNorm
 
 
 class Sample(Protocol):
@@ -64,11 +69,12 @@ class StepHandle(ABC):
 
 
 class FinishedStep(StepHandle):
-    """A step that already ran: the handle of a stage that computes on this process's cores."""
+    """A step that already ran: the handle of a stage that computes on this process's cores.
+    `seam`: the output is a seam (a non-last stage), so it is also the early output."""
 
-    def __init__(self, output: StageOutput) -> None:
+    def __init__(self, output: StageOutput, seam: bool) -> None:
         self.output = output
-        self.early_output = output if isinstance(output, dict) else None  # seam tensors only
+        self.early_output = output if seam else None
         self.ended_at = time.monotonic()
 
     def wait(self) -> StageOutput:
@@ -126,7 +132,8 @@ class Stage(ABC):
         runs on this process's own cores, like StageRunner on CPU, gains nothing from that
         overlap (the bookkeeping would only steal cores from the matmuls), so by default the
         step runs here and the handle is already finished."""
-        return FinishedStep(self.run(chunks, hidden_states, residual, sampling, histories))
+        output = self.run(chunks, hidden_states, residual, sampling, histories)
+        return FinishedStep(output, seam=not self.is_last_stage)
 
     def empty_output(self) -> StageOutput:
         """The output of an empty micro-batch: the ring still sends one per step (its steps must
@@ -135,4 +142,4 @@ class Stage(ABC):
             return SampleResult(token_ids=[])
         import torch  # only here: the loop that calls this imports no torch
 
-        return {"hidden_states": torch.empty(0, 0), "residual": torch.empty(0, 0)}
+        return Seam(hidden_states=torch.empty(0, 0), residual=torch.empty(0, 0))

@@ -15,7 +15,7 @@ from protocol.sampling import SamplingParams
 from stages import native
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
-from stages.contract import Stage, StageOutput
+from stages.contract import Seam, Stage, StageOutput
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
@@ -228,8 +228,8 @@ class StageRunner(Stage):
         residual: torch.Tensor,
         sampling: Sequence[SamplingParams | None] | None,
         histories: Sequence[Sequence[int] | None] | None,
-    ) -> dict[str, torch.Tensor]:
-        return {"hidden_states": h, "residual": residual}  # the seam payload, both [T, d]
+    ) -> Seam:
+        return Seam(hidden_states=h, residual=residual)  # both [T, d]
 
     def _sample(
         self,

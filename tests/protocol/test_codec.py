@@ -7,7 +7,7 @@ import torch
 
 from protocol.codec import DTYPES, decode, decode_many, encode, encode_many
 from protocol.errors import ProtocolError
-from protocol.messages import ALL_KINDS, Output, Proxy, Reqs
+from protocol.messages import ALL_KINDS, Output, Proxy, Reqs, RingError
 from tests.protocol.conftest import sample_messages
 
 
@@ -113,3 +113,23 @@ def test_a_bundle_round_trips_and_decode_refuses_one():
         decode_many(frames, max_messages=2)
     with pytest.raises(ProtocolError, match="proxy needs 3 frames, got 2"):
         decode_many(frames[:-1])
+
+
+def test_a_control_message_is_told_apart_by_its_op():
+    import msgpack
+
+    frames = encode(RingError(rank=2, message="stage 2 failed"))
+    header = msgpack.unpackb(frames[0])
+    assert header["kind"] == "ctrl" and header["op"] == "error"
+    assert decode(frames) == RingError(rank=2, message="stage 2 failed")
+    header["op"] = "heartbeat"  # a heartbeat has no message field
+    with pytest.raises(ProtocolError, match="unknown field 'message'"):
+        decode([msgpack.packb(header)])
+    for op in ("reboot", None, 3):
+        header["op"] = op
+        with pytest.raises(ProtocolError, match="unknown message kind 'ctrl'"):
+            decode([msgpack.packb(header)])
+    reqs = msgpack.unpackb(encode(Reqs(slot=0, step=0))[0])
+    reqs["op"] = "hello"  # only a control message carries an op
+    with pytest.raises(ProtocolError, match="reqs has unknown field 'op'"):
+        decode([msgpack.packb(reqs)])

@@ -8,7 +8,7 @@ import torch
 
 from protocol.channels import ChannelTimeout
 from protocol.demux import DemuxReceiver, SequenceError
-from protocol.messages import Ctrl, Output, Proxy, Reqs
+from protocol.messages import Heartbeat, Output, Proxy, Reqs, Shutdown
 
 LOOP_SIZE = 3
 
@@ -24,7 +24,7 @@ def ring_messages(num_steps: int) -> dict[str, list]:
             Output(slot=s % LOOP_SIZE, step=s, digest=f"{s}", token_ids=[s])
             for s in range(num_steps)
         ],
-        "ctrl": [Ctrl(op="heartbeat", rank=0, seq=s) for s in range(num_steps)],
+        "ctrl": [Heartbeat(rank=0, seq=s) for s in range(num_steps)],
     }
 
 
@@ -120,7 +120,7 @@ def test_a_zero_timeout_still_reads_what_is_queued(link):
     push, pull = link
     receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
     push.send(Reqs(slot=0, step=0))
-    push.send(Ctrl(op="heartbeat", rank=0))
+    push.send(Heartbeat(rank=0))
     deadline = time.monotonic() + 5
     while not pull.poll(0.01) and time.monotonic() < deadline:
         pass
@@ -164,7 +164,7 @@ def test_send_goes_after_what_is_queued_and_a_ctrl_does_not_jump_the_bundle(link
     push, pull = link
     receiver = DemuxReceiver(pull, loop_size=LOOP_SIZE)
     push.queue(Reqs(slot=0, step=0))
-    push.send(Ctrl(op="shutdown", rank=0))
+    push.send(Shutdown(rank=0))
     assert receiver.recv("reqs", timeout_s=5, also=("ctrl",)).kind == "reqs"
     assert receiver.recv("reqs", timeout_s=5, also=("ctrl",)).op == "shutdown"
 

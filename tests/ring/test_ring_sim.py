@@ -201,5 +201,5 @@ def test_a_fault_stops_the_ring_with_a_clear_error(fault, error, pp_size, rank, 
         codes = ring.join(timeout_s=20)
         errors = [c for c in ring.driver.ctrl if c.op == "error"]
     assert codes == {r: 1 for r in range(pp_size)}  # every stage stopped, none hangs
-    message = errors[0].info["message"]
+    message = errors[0].message
     assert error in message and "step 6" in message and "[pp" in message
