@@ -667,7 +667,14 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
  * layer streamed from memory on the 2-core EPYC (ms, median): 1 thread, 15 layers: 1 row
  * 13 vs 22 (oneDNN), 16 rows 38 vs 49, 32 rows 60 vs 75; 2 threads, 30 layers: 1 row 20 vs 22
  * (the row-major kernel), 4 rows 22 vs 41, 32 rows 63 vs 79, 128 rows (10 layers) 79 vs 92,
- * 512 rows 267 vs 284. Each output is one FMA chain over k in order. */
+ * 512 rows 267 vs 284. Each output is one FMA chain over k in order.
+ *
+ * While a panel is multiplied, the next one is fetched into L2, its lines shared evenly over
+ * the panel's blocks so the fetches keep pace with memory instead of overflowing the core's
+ * miss buffers. Fetched by the first block alone into L1, as before, a step's matmuls on one
+ * thread (SmolLM2, all 30 layers and the lm_head, best of 5) took 56 ms at 8 rows, 71 at 16 and
+ * 124 at 32; spread into L2, 33, 58 and 109 (spread into L1: 46, 67, 120). One row fetches four
+ * lines every four k into L2: 17.8 against 19.5 ms on two threads (median of three). */
 #define PANEL 16
 #define MAX_BLOCK_ROWS 6
 int ppr_panel_width(void) { return PANEL; }
@@ -685,11 +692,13 @@ void ppr_pack_f32(const float *w, float *panels, int N, int K) {
 
 /* y[rows, cols] (row stride ldy) = x[rows, K] (row stride K) @ panel[K, 16]; rows is a
  * constant after inlining, so the accumulators stay in registers. `next` (or NULL): the next
- * panel, fetched into cache one line per k while this one is multiplied. */
+ * panel, whose lines pf_first, pf_first + pf_every, ... (one line per k) this block fetches
+ * into L2 while it multiplies: the blocks of a panel share its fetch evenly. */
 static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel,
                                                               int K, float *y, int64_t ldy,
                                                               int cols, const int rows,
-                                                              const char *next) {
+                                                              const char *next, int pf_first,
+                                                              int pf_every) {
 #if defined(__AVX2__) && defined(__FMA__)
     /* Named accumulators: as an array, gcc kept them on the stack and stored all twelve every k
      * (1.7x slower at 32 rows). Rows past `rows` are dead code after inlining. */
@@ -701,10 +710,14 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
         a##r = _mm256_fmadd_ps(xr, w0, a##r);                                                  \
         b##r = _mm256_fmadd_ps(xr, w1, b##r);                                                  \
     }
+    int pf_k = next ? pf_first : K;
     for (int k = 0; k < K; k++) {
         const __m256 w0 = _mm256_loadu_ps(panel + (int64_t)k * PANEL);
         const __m256 w1 = _mm256_loadu_ps(panel + (int64_t)k * PANEL + 8);
-        if (next) __builtin_prefetch(next + (int64_t)k * PANEL * sizeof(float));
+        if (k == pf_k) {
+            __builtin_prefetch(next + (int64_t)k * PANEL * sizeof(float), 0, 1);
+            pf_k += pf_every;
+        }
         PANEL_ROW(0) PANEL_ROW(1) PANEL_ROW(2) PANEL_ROW(3) PANEL_ROW(4) PANEL_ROW(5)
     }
 #undef PANEL_ROW
@@ -723,7 +736,7 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
     }
 #else
     float acc[MAX_BLOCK_ROWS][PANEL] = {{0}};
-    (void)next;
+    (void)next, (void)pf_first, (void)pf_every;
     for (int k = 0; k < K; k++) {
         const float *wk = panel + (int64_t)k * PANEL;
         for (int r = 0; r < rows; r++) {
@@ -748,8 +761,8 @@ static inline void panel_row(const float *x, const float *panel, int K, float *y
         const float *w = panel + (int64_t)k * PANEL;
         if (next) {
             const char *n = next + (int64_t)k * PANEL * sizeof(float);
-            __builtin_prefetch(n), __builtin_prefetch(n + 64), __builtin_prefetch(n + 128);
-            __builtin_prefetch(n + 192);
+            __builtin_prefetch(n, 0, 1), __builtin_prefetch(n + 64, 0, 1);
+            __builtin_prefetch(n + 128, 0, 1), __builtin_prefetch(n + 192, 0, 1);
         }
         __m256 xk = _mm256_broadcast_ss(x + k);
         a0 = _mm256_fmadd_ps(xk, _mm256_loadu_ps(w), a0);
@@ -774,7 +787,7 @@ static inline void panel_row(const float *x, const float *panel, int K, float *y
     _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
     memcpy(y, out, sizeof(float) * cols);
 #else
-    panel_block(x, panel, K, y, 0, cols, 1, next);
+    panel_block(x, panel, K, y, 0, cols, 1, next, 0, 1);
 #endif
 }
 
@@ -794,14 +807,13 @@ void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N,
             const int rows = M / num_blocks + (b < M % num_blocks);
             const float *xb = x + (int64_t)m * K;
             float *yb = y + (int64_t)m * N + p * PANEL;
-            const char *pf = b == 0 ? next : NULL; /* the first pass streams: fetch ahead */
             switch (rows) {
-            case 1: panel_row(xb, panel, K, yb, cols, pf); break;
-            case 2: panel_block(xb, panel, K, yb, N, cols, 2, pf); break;
-            case 3: panel_block(xb, panel, K, yb, N, cols, 3, pf); break;
-            case 4: panel_block(xb, panel, K, yb, N, cols, 4, pf); break;
-            case 5: panel_block(xb, panel, K, yb, N, cols, 5, pf); break;
-            default: panel_block(xb, panel, K, yb, N, cols, 6, pf); break;
+            case 1: panel_row(xb, panel, K, yb, cols, b == 0 ? next : NULL); break;
+            case 2: panel_block(xb, panel, K, yb, N, cols, 2, next, b, num_blocks); break;
+            case 3: panel_block(xb, panel, K, yb, N, cols, 3, next, b, num_blocks); break;
+            case 4: panel_block(xb, panel, K, yb, N, cols, 4, next, b, num_blocks); break;
+            case 5: panel_block(xb, panel, K, yb, N, cols, 5, next, b, num_blocks); break;
+            default: panel_block(xb, panel, K, yb, N, cols, 6, next, b, num_blocks); break;
             }
             m += rows;
         }
