@@ -158,7 +158,7 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
     port = find_free_base_port(pp_size + 4)
     threads = max(1, args.threads // pp_size)
     cmd = [
-        sys.executable, "-m", "launch", "local", "--model", str(model_dir),
+        sys.executable, "-m", "launch", "local", "--model", str(model_dir), "--http-port", "0",
         "--pp-size", str(pp_size), "--threads-per-stage", str(threads),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,

@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     port = find_free_base_port(16)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+    http_port = port + 15  # the ring takes the first few of the 16 free ports
     cmd = [sys.executable, "-m", "launch", "local", "--pp-size", "2", "--port", str(port)]
-    print("$ ppring local --pp-size 2 --port", port, flush=True)
+    cmd += ["--http-port", str(http_port)]
+    print(f"$ ppring local --pp-size 2 --port {port} --http-port {http_port}", flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
         addr = wait_for_ready_line(server, READY_TIMEOUT_S, echo=True)

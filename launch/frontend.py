@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launch.detokenize import IncrementalDetokenizer
 from protocol.channels import AsyncPullChannel, AsyncRouterChannel, BadClientMessage, PushChannel
@@ -41,18 +42,26 @@ from protocol.messages import (
     Submit,
 )
 
+if TYPE_CHECKING:
+    from launch.metrics import FrontendMetrics
+
 logger = logging.getLogger(__name__)
+
+
+# Where one request's answers go: the ZeroMQ client's socket, or an HTTP handler's queue.
+Sink = Callable[[Chunk | Done | Error], Awaitable[None]]
 
 
 @dataclass
 class Inflight:
-    identity: bytes
+    sink: Sink
     client_rid: str
     num_prompt_tokens: int
     detok: IncrementalDetokenizer
     want_logprobs: bool
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
     num_tokens: int = 0
     stopped_by_string: bool = False
 
@@ -66,8 +75,10 @@ class Frontend:
         intake_addr: str,
         deltas_addr: str,
         context_length: int,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.context_length = context_length
         self.vocab_size = len(tokenizer)
         self.clients = AsyncRouterChannel(client_addr)
@@ -127,9 +138,11 @@ class Frontend:
                 continue
             try:
                 if isinstance(msg, Generate):
-                    await self._admit(identity, msg)
+                    await self.submit(
+                        _ring_rid(identity, msg.rid), msg, self._client_sink(identity)
+                    )
                 elif isinstance(msg, Abort):
-                    self._abort(identity, msg.rid)
+                    self.abort(_ring_rid(identity, msg.rid))
                 else:
                     raise ProtocolError(f"a client may send generate or abort, not {msg.kind}")
             except ProtocolError as exc:
@@ -141,14 +154,21 @@ class Frontend:
                 rid = getattr(msg, "rid", "")
                 await self.clients.send(identity, Error(rid, "internal", f"{type(exc).__name__}"))
 
-    async def _admit(self, identity: bytes, req: Generate) -> None:
-        rid = _ring_rid(identity, req.rid)
+    def _client_sink(self, identity: bytes) -> Sink:
+        async def send(msg: Chunk | Done | Error) -> None:
+            await self.clients.send(identity, msg)
+
+        return send
+
+    async def submit(self, rid: str, req: Generate, sink: Sink) -> None:
+        """Admit one request under the ring-wide id `rid`; its answers go to `sink`, ending
+        with exactly one Done or Error. Raises ProtocolError (nothing sent) for a bad one."""
         if rid in self.inflight:
             raise ProtocolError(f"request id {req.rid!r} is already in flight on this connection")
         if self.ring_error is not None:
-            await self.clients.send(identity, Error(req.rid, "ring_down", self.ring_error))
+            await sink(Error(req.rid, "ring_down", self.ring_error))
             return
-        input_ids = self._tokenize(req)
+        input_ids = self.tokenize(req)
         total = len(input_ids) + req.sampling.max_new_tokens
         if total > self.context_length:
             raise ProtocolError(
@@ -157,15 +177,19 @@ class Frontend:
                 f"{self.context_length}"
             )
         self.inflight[rid] = Inflight(
-            identity,
+            sink,
             req.rid,
             len(input_ids),
             IncrementalDetokenizer(self.tokenizer, req.stop, input_ids),
             req.sampling.logprobs,
         )
+        if self.metrics is not None:
+            self.metrics.request_started(len(input_ids))
         self._to_ring(new=[NewRequest(rid, input_ids, req.sampling)])
 
-    def _tokenize(self, req: Generate) -> list[int]:
+    def tokenize(self, req: Generate) -> list[int]:
+        """The token ids of a request: its ids, its prompt, or its messages in the chat template.
+        Raises ProtocolError for one that cannot be served."""
         if req.input_ids is not None:
             if max(req.input_ids) >= self.vocab_size:
                 raise ProtocolError(
@@ -186,8 +210,8 @@ class Frontend:
             raise ProtocolError("the prompt tokenizes to nothing")
         return list(ids)
 
-    def _abort(self, identity: bytes, client_rid: str) -> None:
-        rid = _ring_rid(identity, client_rid)
+    def abort(self, rid: str) -> None:
+        """Abort request `rid` in the ring (its answer is a Done with finish reason abort)."""
         if rid in self.inflight:
             self._to_ring(aborts=[rid])  # the ring answers with a finish, which sends `done`
 
@@ -225,16 +249,19 @@ class Frontend:
         now = time.monotonic()
         if delta.token_id is not None:
             req.num_tokens += 1
+            if self.metrics is not None:
+                previous = req.last_token_at
+                first = None if previous is not None else now - req.arrived
+                self.metrics.token(None if previous is None else now - previous, first)
             req.first_token_at = req.first_token_at or now
+            req.last_token_at = now
             text = req.detok.add(delta.token_id)
             if req.detok.stopped:
                 text += req.detok.flush()
                 req.stopped_by_string = True
             # Every token is reported, even one with no visible text (an EOS, half a character).
             logprobs = [delta.logprob] if req.want_logprobs and delta.logprob is not None else None
-            await self.clients.send(
-                req.identity, Chunk(req.client_rid, text, [delta.token_id], logprobs)
-            )
+            await req.sink(Chunk(req.client_rid, text, [delta.token_id], logprobs))
             if req.stopped_by_string:
                 self._to_ring(aborts=[delta.rid])
                 await self._finish(delta.rid, "stop", now)
@@ -244,15 +271,16 @@ class Frontend:
         elif delta.finish_reason:
             tail = req.detok.flush()
             if tail:
-                await self.clients.send(req.identity, Chunk(req.client_rid, tail, []))
+                await req.sink(Chunk(req.client_rid, tail, []))
             await self._finish(delta.rid, delta.finish_reason, now)
 
     async def _finish(self, rid: str, reason: str, now: float) -> None:
         req = self.inflight.pop(rid)
+        if self.metrics is not None:
+            self.metrics.request_finished(reason, now - req.arrived)
         first = req.first_token_at or now
         tpot = (now - first) / (req.num_tokens - 1) if req.num_tokens > 1 else 0.0
-        await self.clients.send(
-            req.identity,
+        await req.sink(
             Done(
                 rid=req.client_rid,
                 finish_reason=reason,
@@ -267,10 +295,10 @@ class Frontend:
     def _send_error(self, rid: str, code: str, message: str) -> None:
         req = self.inflight.pop(rid, None)
         if req is not None:
-            # ROUTER sends never block; schedule without awaiting so sync callers can use it.
-            asyncio.ensure_future(
-                self.clients.send(req.identity, Error(req.client_rid, code, message))
-            )
+            if self.metrics is not None:
+                self.metrics.request_failed(code)
+            # Sinks never block (a ROUTER send, a queue put); scheduled so sync callers can use it.
+            asyncio.ensure_future(req.sink(Error(req.client_rid, code, message)))
 
 
 def _ring_rid(identity: bytes, client_rid: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from launch.flags import add_flags, flag_argv, ring_config
 from launch.procs import ProcessGroup
-from ring.topology import DEFAULT_PORT, RingAddresses
+from ring.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, RingAddresses
 from stages.batch import BLOCK_SIZE
 
 logger = logging.getLogger("ppring")
@@ -39,11 +39,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="where clients connect")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the frontend's port")
     parser.add_argument("--log-dir", type=Path, default=None, help="stage logs (default stderr)")
+    add_http_args(parser)
     args = parser.parse_args(argv)
     if args.threads_per_stage is None:
         # Stages share this machine's cores; OpenMP pools that oversubscribe slow every op.
         args.threads_per_stage = max(1, (os.cpu_count() or 1) // args.pp_size)
     return args
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    """The OpenAI-compatible HTTP server on node 0 (launch/openai_api.py), as vLLM's flags."""
+    parser.add_argument(
+        "--http-port", type=int, default=DEFAULT_HTTP_PORT, help="the OpenAI API's port; 0: off"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: the "
+        "model folder's name)",
+    )  # fmt: skip
 
 
 def stage_argv(
@@ -165,7 +177,45 @@ def run_frontend(
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         pass
-    return asyncio.run(_serve(args, addrs, tokenizer, context_length, group))
+    model_name = args.served_model_name or model_dir.name
+    return asyncio.run(_serve(args, addrs, tokenizer, context_length, model_name, group))
+
+
+def _open_frontend(
+    args: argparse.Namespace,
+    addrs: RingAddresses,
+    tokenizer: Any,
+    context_length: int,
+    model_name: str,
+) -> tuple[Any, Any]:
+    """The ZeroMQ frontend and, unless --http-port 0, the OpenAI API sharing it (not started).
+    Raises OSError when the HTTP port cannot be bound."""
+    from launch.frontend import Frontend
+
+    metrics = None
+    if args.http_port:
+        from launch.metrics import FrontendMetrics
+
+        metrics = FrontendMetrics(model_name)
+    frontend = Frontend(
+        tokenizer,
+        client_addr=addrs.frontend(),
+        intake_addr=addrs.intake(),
+        deltas_addr=addrs.deltas(),
+        context_length=context_length,
+        metrics=metrics,
+    )
+    if not args.http_port:
+        return frontend, None
+    from launch.openai_api import HttpServer, build_app
+
+    try:
+        return frontend, HttpServer(
+            build_app(frontend, model_name, metrics), args.host, args.http_port
+        )
+    except OSError:
+        frontend.close()
+        raise
 
 
 async def _serve(
@@ -173,17 +223,16 @@ async def _serve(
     addrs: RingAddresses,
     tokenizer: Any,
     context_length: int,
+    model_name: str,
     group: ProcessGroup,
 ) -> int:
-    from launch.frontend import Frontend
-
-    frontend = Frontend(
-        tokenizer,
-        client_addr=addrs.frontend(),
-        intake_addr=addrs.intake(),
-        deltas_addr=addrs.deltas(),
-        context_length=context_length,
-    )
+    try:
+        frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if http is not None:
+        http.start()
     loop = asyncio.get_running_loop()
     stopping = False
 
@@ -207,6 +256,8 @@ async def _serve(
             if frontend.ring_ready.is_set() and not announced:
                 blocks = frontend.num_kv_blocks
                 print(f"KV blocks agreed: {blocks} ({blocks * BLOCK_SIZE} tokens)", flush=True)
+                if http is not None:
+                    print(f"OpenAI API: {http.url}/v1 (model {model_name!r})", flush=True)
                 print(f"ready: {frontend.addr}", flush=True)
                 announced = True
             elif not announced and time.monotonic() - started > READY_TIMEOUT_S:
@@ -230,6 +281,8 @@ async def _serve(
             exit_code = 1
         await asyncio.sleep(0.2)  # let the last error/done messages go out
     finally:
+        if http is not None:
+            await http.stop()
         serve.cancel()
         await asyncio.gather(serve, return_exceptions=True)
         frontend.close()

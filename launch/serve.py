@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from launch.flags import add_flags, agreed_flags
-from launch.local import run_frontend, stage_argv, summary
+from launch.local import add_http_args, run_frontend, stage_argv, summary
 from launch.procs import ProcessGroup
 from launch.rendezvous import RendezvousError, register, serve_rendezvous
 from protocol.messages import NodeHello
@@ -42,6 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rendezvous-timeout", type=float, default=300.0)
     parser.add_argument("--log-dir", type=Path, default=None)
     add_flags(parser)
+    add_http_args(parser)
     args = parser.parse_args(argv)
     if args.pp_size != 1 and args.pp_size != args.nnodes:
         parser.error(

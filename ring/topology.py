@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 # The frontend's port when none is given; the ring's other ports follow it (see above).
 DEFAULT_PORT = 30000
+DEFAULT_HTTP_PORT = 8000  # node 0's OpenAI-compatible API, vLLM's and SGLang's default
 
 
 @dataclass(frozen=True)

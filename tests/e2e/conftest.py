@@ -29,15 +29,27 @@ class LocalServer:
 
     def __init__(self, args: list[str], log_dir: Path) -> None:
         self.port = find_free_base_port(16)
+        self.http_port = self.port + 15  # the ring takes the first few of the 16 ports
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
         self.log = open(log_dir / f"local-{self.port}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "launch", "local", "--port", str(self.port), *args],
+            [
+                sys.executable,
+                "-m",
+                "launch",
+                "local",
+                "--port",
+                str(self.port),
+                "--http-port",
+                str(self.http_port),
+                *args,
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=self.log,
             env=env,
         )
         self.addr = f"tcp://127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.stdout = b""
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:

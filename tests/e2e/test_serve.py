@@ -25,7 +25,7 @@ def serve_argv(rank: int, nnodes: int, rdv: str, port: int, *extra: str) -> list
     return [
         sys.executable, "-m", "launch", "serve", "--node-rank", str(rank),
         "--nnodes", str(nnodes), "--dist-init-addr", rdv, "--port", str(port),
-        "--threads-per-stage", "1", *extra,
+        "--threads-per-stage", "1", "--http-port", "0", *extra,
     ]  # fmt: skip
 
 

@@ -1,0 +1,568 @@
+"""The OpenAI-compatible HTTP API on node 0, next to the ZeroMQ frontend and sharing its path.
+
+    POST /v1/completions, /v1/chat/completions   (streamed as server-sent events or not)
+    GET  /v1/models, /health, /metrics            POST /tokenize, /detokenize
+
+FastAPI on uvicorn with uvloop, the stack vLLM and SGLang serve their OpenAI APIs with, run as
+one more task of the frontend's asyncio loop: a request here is tokenized by the frontend and
+submitted exactly as a ZeroMQ client's is (`Frontend.submit`), its answers arrive on a queue.
+The request bodies follow OpenAI's, with vLLM's extensions a user of vLLM sends (`top_k`,
+`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Anything else, or a value this
+engine cannot honour (`n` > 1, penalties, tools, top alternatives in logprobs), is refused
+with an OpenAI-shaped error and the status a client expects, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from launch.frontend import Frontend
+from launch.metrics import CONTENT_TYPE, FrontendMetrics
+from protocol.errors import ProtocolError
+from protocol.messages import ChatMessage, Chunk, Done, Error, Generate
+from protocol.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # a whole context of text is under 100 KB; 4 MiB is generous
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
+# The ring's error codes and the HTTP status each one is answered with.
+ERROR_STATUS = {"ring_down": 503, "rejected": 400, "bad_request": 400, "internal": 500}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+# -- request bodies ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """What both endpoints take. Extra fields are refused (a typo must not be ignored), and
+    types are strict: "yes" is not a bool, "10" not a count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatTurn(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ChatContentPart]
+    name: str | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatTurn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _unsupported(req: _Common) -> str | None:
+    """The first field set to something this engine cannot do, in a sentence; None if none."""
+    checks = [
+        (req.n != 1, "n must be 1: one choice per request"),
+        (req.presence_penalty != 0.0, "presence_penalty is not supported (repetition_penalty is)"),
+        (
+            req.frequency_penalty != 0.0,
+            "frequency_penalty is not supported (repetition_penalty is)",
+        ),
+        (bool(req.logit_bias), "logit_bias is not supported"),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [
+            (req.echo, "echo is not supported"),
+            (req.best_of not in (None, 1), "best_of must be 1"),
+            (req.suffix is not None, "suffix is not supported"),
+            (
+                req.logprobs not in (None, 0),
+                "logprobs takes 0: the sampled tokens' logprobs, without top alternatives",
+            ),  # fmt: skip
+        ]
+    else:
+        checks += [
+            (req.top_logprobs not in (None, 0), "top_logprobs must be 0: no top alternatives"),
+            (bool(req.tools), "tools are not supported"),
+            (
+                req.response_format not in (None, {"type": "text"}),
+                "response_format is not supported",
+            ),
+        ]
+    return next((why for bad, why in checks if bad), None)
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+
+def build_app(frontend: Frontend, model_name: str, metrics: FrontendMetrics) -> FastAPI:
+    app = FastAPI(title="ppring", docs_url=None, redoc_url=None, openapi_url=None)
+    api = OpenAIRoutes(frontend, model_name, metrics)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(exc).__name__})", "internal_error")
+
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics_text)
+    app.post("/tokenize")(api.tokenize)
+    app.post("/detokenize")(api.detokenize)
+    return app
+
+
+class OpenAIRoutes:
+    def __init__(self, frontend: Frontend, model_name: str, metrics: FrontendMetrics) -> None:
+        self.frontend, self.model_name, self.metrics = frontend, model_name, metrics
+        self.created = int(time.time())
+
+    # -- small endpoints ---------------------------------------------------------------------
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ppring",
+            "max_model_len": self.frontend.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        if self.frontend.ring_error is not None:
+            return error_response(
+                503, f"the ring is down: {self.frontend.ring_error}", "unavailable"
+            )
+        if not self.frontend.ring_ready.is_set():
+            return error_response(503, "the ring is starting", "unavailable")
+        return Response(status_code=200)
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        if body.get("model") is not None:
+            self._check_model(body["model"])
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "give a prompt (a string) or messages (a chat)")
+        try:
+            ids = self.frontend.tokenize(_generate_from_tokenize_body(body))
+        except (ProtocolError, ValidationError, TypeError, ValueError) as exc:
+            raise ApiError(400, _say(exc)) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.frontend.context_length}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        body = await _json_body(request)
+        tokens = body.get("tokens")
+        vocab = self.frontend.vocab_size
+        if not isinstance(tokens, list) or not all(
+            type(t) is int and 0 <= t < vocab for t in tokens
+        ):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab})")
+        return {"prompt": self.frontend.tokenizer.decode(tokens)}
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = _parse(CompletionRequest, await _json_body(request))
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, "give one prompt per request (n = 1)")
+            prompt = prompt[0]
+        self._check_model(req.model)
+        try:
+            if isinstance(prompt, str):
+                gen = Generate(rid="http", prompt=prompt)
+            else:
+                gen = Generate(rid="http", input_ids=list(prompt))
+        except ProtocolError as exc:
+            raise ApiError(400, _say(exc)) from None
+        return await self._generate(request, req, gen, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = _parse(ChatRequest, await _json_body(request))
+        self._check_model(req.model)
+        messages = [ChatMessage(role=t.role, content=_text_of(t.content)) for t in req.messages]
+        return await self._generate(request, req, Generate(rid="http", messages=messages), True)
+
+    async def _generate(self, request: Request, req: _Common, gen: Generate, chat: bool):
+        if (why := _unsupported(req)) is not None:
+            raise ApiError(400, why)
+        if self.frontend.ring_error is not None or not self.frontend.ring_ready.is_set():
+            reason = self.frontend.ring_error or "the ring is starting"
+            raise ApiError(503, f"not serving: {reason}", "unavailable")
+        try:
+            input_ids = self.frontend.tokenize(gen)
+            submitted = self._to_ring_request(req, input_ids, chat)
+        except (ProtocolError, ValueError, TypeError) as exc:
+            raise ApiError(400, _say(exc)) from None
+        answers: asyncio.Queue[Chunk | Done | Error] = asyncio.Queue()
+        rid = f"http/{uuid.uuid4().hex}"
+
+        async def sink(msg: Chunk | Done | Error) -> None:
+            answers.put_nowait(msg)
+
+        try:
+            await self.frontend.submit(rid, submitted, sink)
+        except ProtocolError as exc:
+            raise ApiError(400, _say(exc)) from None
+        shape = AnswerShape(chat, self.model_name, req, len(input_ids), self._token_text)
+        if req.stream:
+            stream = self._stream(rid, answers, shape)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        return await self._whole(request, rid, answers, shape)
+
+    def _to_ring_request(self, req: _Common, input_ids: list[int], chat: bool) -> Generate:
+        room = self.frontend.context_length - len(input_ids)
+        max_tokens = req.max_tokens
+        if chat and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            if room < 1:
+                raise ValueError(f"the prompt ({len(input_ids)} tokens) fills the context")
+            max_tokens = room
+        logprobs = req.logprobs is not None and req.logprobs is not False
+        sampling = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprobs=bool(logprobs),
+        )
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return Generate(rid="http", input_ids=input_ids, sampling=sampling, stop=stop)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.frontend.tokenizer.decode([token_id])
+
+    def _check_model(self, model: Any) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "not_found_error",
+            )  # fmt: skip
+
+    async def _whole(
+        self, request: Request, rid: str, answers: asyncio.Queue, shape: AnswerShape
+    ) -> Response:
+        """Collect the answer; a client that goes away meanwhile has its request aborted."""
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(answers.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.frontend.abort(rid)
+                        return Response(status_code=499)
+                    continue
+                if isinstance(msg, Error):
+                    return _ring_error(msg)
+                shape.add(msg)
+                if isinstance(msg, Done):
+                    return JSONResponse(shape.whole())
+        except asyncio.CancelledError:
+            self.frontend.abort(rid)
+            raise
+
+    async def _stream(
+        self, rid: str, answers: asyncio.Queue, shape: AnswerShape
+    ) -> AsyncIterator[str]:
+        finished = False
+        try:
+            if shape.chat:
+                yield _sse(shape.first_chunk())
+            while True:
+                msg = await answers.get()
+                if isinstance(msg, Error):
+                    finished = True
+                    body = {"message": msg.message, "type": msg.code, "param": None, "code": None}
+                    yield _sse({"error": body})
+                    break
+                shape.add(msg)
+                for event in shape.stream_events(msg):
+                    yield _sse(event)
+                if isinstance(msg, Done):
+                    finished = True
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                self.frontend.abort(rid)
+
+
+# -- answers -----------------------------------------------------------------------------------
+
+
+class AnswerShape:
+    """Builds one request's answer, whole or as stream events, in OpenAI's shapes."""
+
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        req: _Common,
+        num_prompt_tokens: int,
+        token_text: Callable[[int], str],
+    ) -> None:
+        self.chat, self.model, self.token_text = chat, model, token_text
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.want_logprobs = req.logprobs is not None and req.logprobs is not False
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.done: Done | None = None
+        self.num_prompt_tokens = num_prompt_tokens
+
+    def add(self, msg: Chunk | Done) -> None:
+        if isinstance(msg, Chunk):
+            self.text.append(msg.text)
+            self.token_ids += msg.token_ids
+            self.logprobs += msg.logprobs or []
+        else:
+            self.done = msg
+
+    def usage(self) -> dict[str, int]:
+        done = self.done
+        completion = done.completion_tokens if done else len(self.token_ids)
+        prompt = done.prompt_tokens if done else self.num_prompt_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+        if not self.want_logprobs or not logprobs:
+            return None
+        tokens = [self.token_text(t) for t in token_ids]
+        if self.chat:
+            content = [
+                {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(tokens, logprobs)
+            ]
+            return {"content": content}
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+                "text_offset": None}  # fmt: skip
+
+    def _choice(self, text: str, finish: str | None, logprobs: dict | None, chunk: bool):
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+        if not self.chat:
+            choice["text"] = text
+        elif chunk:
+            choice["delta"] = {"content": text} if text or finish is None else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        return choice
+
+    def whole(self) -> dict[str, Any]:
+        logprobs = self._logprobs(self.token_ids, self.logprobs)
+        finish = self.done.finish_reason if self.done else None
+        choice = self._choice("".join(self.text), finish, logprobs, chunk=False)
+        return {**self._envelope(False), "choices": [choice], "usage": self.usage()}
+
+    def first_chunk(self) -> dict[str, Any]:
+        """A chat stream opens with the assistant's role, as OpenAI's does."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}  # fmt: skip
+        return {**self._envelope(True), "choices": [choice]}
+
+    def stream_events(self, msg: Chunk | Done) -> list[dict[str, Any]]:
+        if isinstance(msg, Chunk):
+            if not msg.text and not (self.want_logprobs and msg.logprobs):
+                return []  # a token with no visible text yet: nothing to show
+            logprobs = self._logprobs(msg.token_ids, msg.logprobs or [])
+            return [
+                {**self._envelope(True), "choices": [self._choice(msg.text, None, logprobs, True)]}
+            ]
+        events = [
+            {**self._envelope(True), "choices": [self._choice("", msg.finish_reason, None, True)]}
+        ]
+        if self.include_usage:
+            events.append({**self._envelope(True), "choices": [], "usage": self.usage()})
+        return events
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    body = b""
+    async for piece in request.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return value
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(422, f"{where}: {first['msg']}") from None
+
+
+def _generate_from_tokenize_body(body: dict[str, Any]) -> Generate:
+    if "prompt" in body:
+        return Generate(rid="tokenize", prompt=body["prompt"])
+    turns = [ChatTurn.model_validate(turn) for turn in body["messages"]]
+    messages = [ChatMessage(role=t.role, content=_text_of(t.content)) for t in turns]
+    return Generate(rid="tokenize", messages=messages)
+
+
+def _text_of(content: str | list[ChatContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+def _ring_error(msg: Error) -> JSONResponse:
+    status = ERROR_STATUS.get(msg.code, 500)
+    kind = "unavailable" if status == 503 else "invalid_request_error"
+    return error_response(status, msg.message, kind)
+
+
+def _say(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+    return str(exc)
+
+
+def _sse(event: dict[str, Any]) -> str:
+    return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+class QuietServer(uvicorn.Server):
+    """The launcher owns SIGINT and SIGTERM: uvicorn must not install its own handlers."""
+
+    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
+        pass
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # uvicorn >= 0.29
+        yield
+
+
+class HttpServer:
+    """uvicorn on a socket bound here, so a port in use is one clear error at start-up (uvicorn
+    itself would exit the process), run as a task of the frontend's loop."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise OSError(f"--http-port {port} on {host}: {exc.strerror}") from None
+        self.sock.listen(2048)
+        self.sock.setblocking(False)
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        self.server = QuietServer(config)
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await asyncio.wait([self.task], timeout=5)
+        self.sock.close()

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API of `ppring local`, with the official `openai` package as the
+client: one ring per PP size for the whole module (the default model, float32)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from launch.client import AsyncClient
+from tests.e2e.conftest import PROMPTS, LocalServer
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["pp1", "pp2"])
+def server(request, default_model, tmp_path_factory):
+    ring = LocalServer(
+        ["--pp-size", str(request.param), "--dtype", "float32", "--served-model-name", "smol"],
+        tmp_path_factory.mktemp("openai"),
+    )
+    try:
+        ring.wait_ready()
+        yield ring
+    finally:
+        ring.stop()
+
+
+@pytest.fixture
+def client(server):
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+async def native(addr: str, **kwargs):
+    async with AsyncClient(addr, timeout_s=120) as c:
+        return await c.complete(**kwargs)
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    return {
+        sample.name + json.dumps(sample.labels, sort_keys=True): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def counter(values: dict[str, float], name: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(name + "{"))
+
+
+@pytest.mark.timeout(300)
+def test_greedy_completions_are_transformers_tokens_streamed_or_not(server, client, hf_greedy):
+    for prompt in PROMPTS:
+        ring = asyncio.run(native(server.addr, prompt=prompt, max_new_tokens=32, temperature=0))
+        assert ring.token_ids == hf_greedy[prompt], prompt  # the tokens behind the text
+        whole = client.completions.create(model="smol", prompt=prompt, max_tokens=32, temperature=0)
+        assert whole.choices[0].text == ring.text
+        assert whole.choices[0].finish_reason == ring.done.finish_reason
+        assert whole.usage.completion_tokens == len(hf_greedy[prompt])
+        assert whole.usage.prompt_tokens == ring.done.prompt_tokens
+        stream = client.completions.create(
+            model="smol",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        events = list(stream)
+        text = "".join(e.choices[0].text for e in events if e.choices)
+        assert text == whole.choices[0].text
+        assert [e.choices[0].finish_reason for e in events if e.choices][
+            -1
+        ] == ring.done.finish_reason
+        assert events[-1].usage.model_dump() == whole.usage.model_dump()
+
+
+@pytest.mark.timeout(300)
+def test_greedy_chat_is_the_native_answer_streamed_or_not(server, client):
+    ring = asyncio.run(native(server.addr, messages=CHAT, max_new_tokens=24, temperature=0))
+    whole = client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=24, temperature=0
+    )
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == ring.text
+    assert whole.usage.completion_tokens == len(ring.token_ids)
+    assert whole.usage.prompt_tokens == ring.done.prompt_tokens
+    stream = client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=24, temperature=0, stream=True
+    )
+    events = list(stream)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert "".join(e.choices[0].delta.content or "" for e in events) == ring.text
+    assert events[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.timeout(300)
+def test_logprobs_stop_strings_and_seeds(server, client):
+    prompt = PROMPTS[0]
+    ring = asyncio.run(
+        native(server.addr, prompt=prompt, max_new_tokens=8, temperature=0, logprobs=True)
+    )
+    got = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=8, temperature=0, logprobs=0
+    )
+    assert got.choices[0].logprobs.token_logprobs == pytest.approx(ring.logprobs)
+    stop = ring.text.strip().split()[0]
+    cut = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=8, temperature=0, stop=stop
+    )
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    seeded = [
+        client.completions.create(model="smol", prompt=prompt, max_tokens=8, seed=7, temperature=1)
+        for _ in range(2)
+    ]
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+
+
+def test_models_health_tokenize_detokenize(server, client, default_model):
+    assert [m.id for m in client.models.list().data] == ["smol"]
+    assert httpx.get(f"{server.http_url}/health").status_code == 200
+    ids = httpx.post(f"{server.http_url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    from transformers import AutoTokenizer
+
+    assert ids == AutoTokenizer.from_pretrained(default_model).encode(PROMPTS[0])
+    back = httpx.post(f"{server.http_url}/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": PROMPTS[0]}
+
+
+def test_unsupported_and_unknown_get_openai_errors(server, client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="smol", prompt="hi " * 9000, max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=-1)
+
+
+BAD_BODIES: list[object] = [
+    b"{not json",
+    b"[1, 2]",
+    b'"a string"',
+    {"model": "smol"},
+    {"model": "smol", "prompt": 5},
+    {"model": "smol", "prompt": "hi", "max_tokens": -3},
+    {"model": "smol", "prompt": "hi", "max_tokens": "ten"},
+    {"model": "smol", "prompt": "hi", "temperature": -1},
+    {"model": "smol", "prompt": "hi", "top_p": 2},
+    {"model": "smol", "prompt": "hi", "seed": -1},
+    {"model": "smol", "prompt": "hi", "stream": "yes"},
+    {"model": "smol", "prompt": "hi", "best_of": 3},
+    {"model": "smol", "prompt": "hi", "no_such_field": 1},
+    {"model": "smol", "prompt": [-1, 5]},
+    {"model": "smol", "prompt": ""},
+    {"model": "smol", "prompt": "hi " * 9000},
+    {"model": "smol", "prompt": "hi", "stop": [1, 2]},
+    {"model": "other", "prompt": "hi"},
+    {"model": "smol", "messages": []},
+    {"model": "smol", "messages": [{"role": "robot", "content": "hi"}]},
+]
+
+
+@pytest.mark.timeout(300)
+def test_a_thousand_malformed_requests_get_4xx_and_disturb_nothing(server):
+    rng = random.Random(5)
+    good = {"model": "smol", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        expected = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+        for n in range(1000):
+            bad = rng.choice(BAD_BODIES)
+            path = (
+                "/v1/chat/completions"
+                if isinstance(bad, dict) and "messages" in bad
+                else ("/v1/completions")
+            )
+            content = bad if isinstance(bad, bytes) else json.dumps(bad).encode()
+            if n % 97 == 0:
+                content = b'{"model": "smol", "prompt": "' + b"x" * (5 << 20) + b'"}'
+            answer = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert 400 <= answer.status_code < 500, (bad, answer.status_code, answer.text)
+            error = answer.json()["error"]
+            assert error["message"] and error["type"], bad
+            if n % 250 == 0:
+                again = http.post("/v1/completions", json=good).json()["choices"][0]["text"]
+                assert again == expected
+
+
+@pytest.mark.timeout(400)
+def test_32_concurrent_streams_each_get_what_they_get_alone(server):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    base = f"{server.http_url}/v1"
+
+    async def one(c: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await c.completions.create(
+            model="smol", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        return "".join([e.choices[0].text async for e in stream if e.choices])
+
+    async def run() -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as c:
+            alone = [await one(c, p) for p in prompts]
+            together = await asyncio.gather(*(one(c, p) for p in prompts))
+        return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert together == alone
+
+
+@pytest.mark.timeout(120)
+def test_a_dropped_stream_is_aborted_and_the_counters_add_up(server):
+    before = metrics(server)
+    body = {"model": "smol", "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as answer:
+            events = 0
+            for line in answer.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break
+        dropped_at = time.monotonic()
+        while time.monotonic() - dropped_at < 5:
+            now = metrics(server)
+            if counter(now, "ppring:request_success_total") > counter(
+                before, "ppring:request_success_total"
+            ):
+                break
+            time.sleep(0.05)
+        aborted_after = time.monotonic() - dropped_at
+        done = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
+    after = metrics(server)
+    assert aborted_after < 1.0
+    key = 'ppring:request_success_total{"finished_reason": "abort", "model_name": "smol"}'
+    assert after[key] - before.get(key, 0.0) == 1
+    assert counter(after, "ppring:num_requests_inflight") == 0
+    served = done.json()["usage"]
+    prompt_delta = counter(after, "ppring:prompt_tokens_total") - counter(
+        before, "ppring:prompt_tokens_total"
+    )
+    generated_delta = counter(after, "ppring:generation_tokens_total") - counter(
+        before, "ppring:generation_tokens_total"
+    )
+    assert prompt_delta == 2 * served["prompt_tokens"]  # the dropped request and this one
+    assert generated_delta >= served["completion_tokens"] + 3
