@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.clients import NativeBackend, OpenAIBackend
 from bench.workload import Workload, make_workload
 
 FULL_RATE_FRACTIONS = (0.15, 0.4, 0.7, 1.0)
@@ -99,6 +100,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--backend", default=None, help="how requests are sent: ppring (its ZeroMQ client; "
+        "the default), openai (its OpenAI HTTP API), or both: ppring,openai (alternated)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-url", default=None, help="an OpenAI-compatible server to bench instead of "
+        "ppring's rings, e.g. http://127.0.0.1:8000/v1 (implies --backend openai)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--served-model", default=None, help="with --base-url (default: the first of /v1/models)"
+    )
+    parser.add_argument(
         "--kv-memory-gib", type=float, default=None, help="KV budget per stage (ppring local's)"
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the rings' logs here")
@@ -141,6 +153,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("name each layout in --pp-sizes, each --concurrency and each rate once")
     if any(d not in ("float32", "bfloat16") for d in args.hf_dtypes):
         parser.error("--hf-dtypes takes float32 and/or bfloat16")
+    default = "openai" if args.base_url else "ppring"
+    args.backends = [x.strip() for x in (args.backend or default).split(",") if x.strip()]
+    if not args.backends or any(b not in ("ppring", "openai") for b in args.backends):
+        parser.error("--backend takes ppring, openai, or ppring,openai")
+    if args.base_url and args.backends != ["openai"]:
+        parser.error("--base-url benches an OpenAI server: --backend openai only")
     if args.no_sweep and args.rates:
         parser.error("--no-sweep and --rates contradict each other; pick one")
     args.concurrency = args.concurrencies[-1]  # the ring's capacity; saturation is measured here
@@ -152,13 +170,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 @contextmanager
 def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir: Path):
-    """`ppring local` for one layout; yields the frontend's address. Stopped by PID."""
+    """`ppring local` for one layout; yields the frontend's address and, when a backend wants
+    it, its OpenAI API's URL (else None). Stopped by PID."""
     from launch.procs import ROOT, ProcessGroup, find_free_base_port, wait_for_ready_line
 
-    port = find_free_base_port(pp_size + 4)
+    port = find_free_base_port(16)
+    http_port = port + 15 if "openai" in args.backends else 0  # the ring takes the first few
     threads = max(1, args.threads // pp_size)
     cmd = [
-        sys.executable, "-m", "launch", "local", "--model", str(model_dir), "--http-port", "0",
+        sys.executable, "-m", "launch", "local", "--model", str(model_dir),
+        "--http-port", str(http_port),
         "--pp-size", str(pp_size), "--threads-per-stage", str(threads),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
@@ -178,7 +199,8 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
-        yield wait_for_ready_line(server, READY_TIMEOUT_S)
+        addr = wait_for_ready_line(server, READY_TIMEOUT_S)
+        yield addr, f"http://127.0.0.1:{http_port}/v1" if http_port else None
     finally:
         ProcessGroup([server]).stop(grace_s=60)  # SIGTERM: a graceful ring shutdown
 
@@ -220,39 +242,8 @@ def _percentile(sorted_values: list[float], pct: float) -> float | None:
     return sorted_values[index]
 
 
-async def _one_request(client, request, records: list, progress) -> None:
-    sent = time.perf_counter()
-    first = None
-    done = None
-    async for msg in client.generate(
-        input_ids=request.input_ids,
-        max_new_tokens=request.max_new_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-    ):
-        if getattr(msg, "token_ids", None):
-            if first is None:
-                first = time.perf_counter()
-            progress.update(len(msg.token_ids))
-        if msg.kind == "done":
-            done = msg
-    finished = time.perf_counter()
-    first = first or finished
-    n = done.completion_tokens
-    records.append(
-        {
-            "prompt_tokens": len(request.input_ids),
-            "output_tokens": n,
-            "ttft_s": first - sent,
-            # One token has no time per output token: None, left out of the TPOT percentiles.
-            "tpot_s": (finished - first) / (n - 1) if n > 1 else None,
-            "e2e_s": finished - sent,
-        }
-    )
-
-
 async def run_point(
-    addr: str,
+    backend: NativeBackend | OpenAIBackend,
     workload: Workload,
     layout: str,
     rate: float | None,
@@ -262,24 +253,26 @@ async def run_point(
 ) -> Point:
     """Closed loop (`rate` None): `concurrency` requests in flight until all are done.
     Otherwise Poisson arrivals at `rate` requests/s, seeded."""
-    from launch.client import AsyncClient
-
     records: list[dict[str, float]] = []
-    async with AsyncClient(addr, timeout_s=600) as client:
+
+    async def one(request) -> None:
+        records.append(await client.request(request, progress))
+
+    async with backend as client:
         start = time.perf_counter()
         if rate is None:
             queue = list(workload.requests)
 
             async def worker() -> None:
                 while queue:
-                    await _one_request(client, queue.pop(0), records, progress)
+                    await one(queue.pop(0))
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             rng = random.Random(seed)
             tasks = []
             for request in workload.requests:
-                tasks.append(asyncio.create_task(_one_request(client, request, records, progress)))
+                tasks.append(asyncio.create_task(one(request)))
                 await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
@@ -317,23 +310,19 @@ def main(argv: list[str] | None = None) -> int:
 
     points: list[Point] = []
     baselines: list[Point] = []
-    rates = args.rates
     with _log_dir(args.log_dir) as logs:
-        for pp_size in args.pp_sizes:
-            layout = f"PP={pp_size}"
-            with local_ring(args, model_dir, pp_size, logs) as addr:
-                for concurrency in args.concurrencies:  # closed loops first: they set the rates
-                    sub = _closed_subset(workload, concurrency, args.min_point_requests)
-                    points.append(_measure(addr, sub, layout, None, concurrency, args.seed))
-                if args.no_sweep:
-                    continue
-                if rates is None:  # the first layout's capacity at the highest concurrency
-                    capacity_rps = len(points[-1].records) / points[-1].elapsed_s
-                    fractions = QUICK_RATE_FRACTIONS if args.quick else FULL_RATE_FRACTIONS
-                    rates = [round(f * capacity_rps, 3) for f in fractions]
-                for rate in rates:
-                    sub = _subset(workload, rate, args.point_seconds, args.min_point_requests)
-                    points.append(_measure(addr, sub, layout, rate, args.concurrency, args.seed))
+        if args.base_url:  # someone else's server: no ring of ours
+            target = Target(f"openai {args.base_url}", None, args.base_url, args.served_model)
+            _sweep(args, [target], workload, points)
+        for pp_size in [] if args.base_url else args.pp_sizes:
+            with local_ring(args, model_dir, pp_size, logs) as (addr, http_url):
+                targets = [
+                    Target(f"PP={pp_size}" + (" HTTP" if b == "openai" else ""), addr, http_url)
+                    if b == "openai"
+                    else Target(f"PP={pp_size}", addr, None)
+                    for b in args.backends
+                ]
+                _sweep(args, targets, workload, points)
             # Written after every layout and baseline: a later failure loses nothing measured.
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
     for hf_dtype in [] if args.no_baseline else args.hf_dtypes:
@@ -355,18 +344,56 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@dataclass
+class Target:
+    """Where one layout's requests go: ppring's ZeroMQ frontend, or an OpenAI HTTP API."""
+
+    layout: str
+    addr: str | None
+    http_url: str | None  # ".../v1": requests go over HTTP
+    model: str | None = None
+
+    def backend(self) -> NativeBackend | OpenAIBackend:
+        if self.http_url is not None:
+            return OpenAIBackend(self.http_url, self.model)
+        return NativeBackend(self.addr)
+
+
+def _sweep(
+    args: argparse.Namespace, targets: list[Target], workload: Workload, points: list[Point]
+) -> None:
+    """Closed loops at each concurrency, then (unless --no-sweep) Poisson arrivals at each
+    rate, for every target of one server, alternated point by point."""
+    for concurrency in args.concurrencies:  # closed loops first: they set the rates
+        sub = _closed_subset(workload, concurrency, args.min_point_requests)
+        for target in targets:
+            points.append(_measure(target, sub, None, concurrency, args.seed))
+    if args.no_sweep:
+        return
+    if args.rates is None:  # the first layout's capacity at the highest concurrency
+        capacity_rps = len(points[-len(targets)].records) / points[-len(targets)].elapsed_s
+        fractions = QUICK_RATE_FRACTIONS if args.quick else FULL_RATE_FRACTIONS
+        args.rates = [round(f * capacity_rps, 3) for f in fractions]
+    for rate in args.rates:
+        sub = _subset(workload, rate, args.point_seconds, args.min_point_requests)
+        for target in targets:
+            points.append(_measure(target, sub, rate, args.concurrency, args.seed))
+
+
 def hf_layout(dtype: str) -> str:
     """The baseline's name: plain "HF generate" for float32, what a user gets by default."""
     return "HF generate" if dtype == "float32" else f"HF generate {dtype}"
 
 
 def _measure(
-    addr: str, workload: Workload, layout: str, rate: float | None, concurrency: int, seed: int
+    target: Target, workload: Workload, rate: float | None, concurrency: int, seed: int
 ) -> Point:
-    """One point of the sweep against a running ring, with a progress bar; prints its line."""
+    """One point of the sweep against a running server, with a progress bar; prints its line."""
     what = f"closed C={concurrency}" if rate is None else f"{rate:.2f} req/s"
+    layout = target.layout
     with _progress(workload, f"{layout} {what}") as bar:
-        point = asyncio.run(run_point(addr, workload, layout, rate, concurrency, seed, bar))
+        backend = target.backend()
+        point = asyncio.run(run_point(backend, workload, layout, rate, concurrency, seed, bar))
     s = point.summary()
     print(f"  {layout:>5} {what:>13}: {s['output_tokens_per_s']:7.1f} tok/s, "
           f"TPOT p50 {_ms(s['tpot_p50_ms'])}", flush=True)  # fmt: skip
@@ -527,6 +554,13 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         out["pp2_over_pp1"] = round(
             closed["PP=2"]["output_tokens_per_s"] / closed["PP=1"]["output_tokens_per_s"], 2
         )
+    http = {  # the same ring through its OpenAI API against its ZeroMQ client
+        k: round(p["output_tokens_per_s"] / closed[k[: -len(" HTTP")]]["output_tokens_per_s"], 2)
+        for k, p in closed.items()
+        if k.endswith(" HTTP") and k[: -len(" HTTP")] in closed
+    }
+    if http:
+        out["http_over_native"] = http
     baselines = result.get("baselines") or ([base] if base else [])
     if len({p["closed_loop_concurrency"] for p in closed_all}) > 1:
         for key, field in (("tokens_per_s", "output_tokens_per_s"), ("tpot_p50_ms", "tpot_p50_ms")):
@@ -543,7 +577,7 @@ def table(result: dict[str, Any]) -> str:
     baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
     rows = [*result["points"], *baselines]
     lines = [
-        f"{'layout':<12}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
+        f"{'layout':<14}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
         f"{'TPOT p99':>11}{'e2e p50':>10}",
     ]
     for p in rows:
@@ -553,7 +587,7 @@ def table(result: dict[str, Any]) -> str:
             else f"closed C={p['closed_loop_concurrency']}"
         )
         lines.append(
-            f"{p['layout']:<12}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
+            f"{p['layout']:<14}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
             f"{_ms(p['ttft_p50_ms']):>12}{_ms(p['tpot_p50_ms']):>11}{_ms(p['tpot_p99_ms']):>11}"
             f"{p['e2e_p50_ms'] / 1000:>9.1f}s"
         )
@@ -570,6 +604,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"C={concurrency}: {ratios}")
     if "pp2_over_pp1" in head:
         lines.append(f"PP=2 / PP=1 at saturation: {head['pp2_over_pp1']:.2f}x")
+    for layout, ratio in head.get("http_over_native", {}).items():
+        lines.append(f"{layout} (OpenAI API) / its ZeroMQ client at saturation: {ratio:.2f}x")
     return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from protocol.messages import (
     RingError,
     RingReady,
     Shutdown,
+    StageStats,
     StopServing,
     Submit,
 )
@@ -238,6 +239,9 @@ class Frontend:
                 self.ring_ready.set()
             elif isinstance(msg, RingError):
                 self.ring_down(msg.message or "a stage failed")
+            elif isinstance(msg, StageStats):
+                if self.metrics is not None:
+                    self.metrics.stage_report(msg)
             elif isinstance(msg, Shutdown):
                 logger.info("the ring shut down")
                 self.ring_down("the ring shut down", quiet=True)

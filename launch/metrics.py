@@ -4,11 +4,22 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` is `ppring:time_to_first
 so a dashboard built for vLLM needs only its prefix changed. One registry per frontend, not
 prometheus_client's global one, so two frontends in one process (the tests) never mix counts.
 The frontend calls `request_started`, `token` and `request_finished`; nothing here blocks.
+
+What only a pipeline can report comes from the stages' own `StageStats` (ring/report.py), about
+once a second, labelled by `stage`: where each stage's time goes (its forward, waiting for the
+previous stage's seam, waiting for sampled tokens coming round the ring), its steps and tokens,
+and the ring's round trip; the scheduler's running and waiting requests and KV usage come from
+stage 0's (every stage's scheduler is the same replica).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from protocol.messages import StageStats
 
 PREFIX = "ppring:"
 # Latency buckets (seconds), vLLM's for TTFT and end-to-end, extended down for a CPU ring.
@@ -53,6 +64,8 @@ class FrontendMetrics:
         )
         for metric in (self.prompt_tokens, self.generation_tokens, self.inflight):
             metric.labels(**self.model)  # present (at 0) before the first request
+        self.stages = StageMetrics(self.registry, labels)
+        self.last_reports: dict[int, StageStats] = {}
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(**self.model).inc(num_prompt_tokens)
@@ -75,5 +88,75 @@ class FrontendMetrics:
         self.inflight.labels(**self.model).dec()
         self.request_errors.labels(**self.model, code=code).inc()
 
+    def stage_report(self, report: StageStats) -> None:
+        """A stage's cumulative statistics: counters move by what changed since its last report."""
+        last = self.last_reports.get(report.rank)
+        if last is None or report.steps < last.steps:  # the first, or the stage started again
+            last = dataclasses.replace(report, **dict.fromkeys(STAGE_FIELDS, 0))
+        self.last_reports[report.rank] = report
+        self.stages.update(self.model, last, report)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+STAGE_FIELDS = [f.name for f in dataclasses.fields(StageStats) if f.name != "rank"]
+# Cumulative StageStats field -> (counter name, help); counters move by the change.
+STAGE_COUNTERS = {
+    "steps": ("stage_steps", "Steps a stage has run (one per micro-batch slot turn)."),
+    "busy_s": ("stage_busy_seconds", "Time in the stage's forward."),
+    "proxy_wait_s": ("stage_proxy_wait_seconds", "Time waiting for the previous stage's seam."),
+    "output_wait_s": (
+        "stage_output_wait_seconds",
+        "Time waiting for sampled tokens coming round the ring.",
+    ),
+    "tokens": ("stage_tokens", "Tokens through the stage's forwards."),
+}
+
+
+@dataclass
+class StageMetrics:
+    registry: CollectorRegistry
+    labels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        stage = (*self.labels, "stage")
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = stage) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.counters = {
+            field: Counter(PREFIX + name, doc, stage, registry=self.registry)
+            for field, (name, doc) in STAGE_COUNTERS.items()
+        }
+        # Since the stage started, as its log says at the end (rate() of the counters gives any
+        # window's).
+        self.busy_fraction = gauge(
+            "stage_busy_fraction", "Share of the stage's time in its forward."
+        )
+        self.tokens_per_batch = gauge("stage_tokens_per_micro_batch", "Mean tokens per forward.")
+        self.round_trip = gauge(
+            "ring_round_trip_seconds",
+            "Stage 0's mean time from a step's seam sent to its sampled tokens back.",
+            self.labels,
+        )
+        self.running = gauge("num_requests_running", "Requests in a micro-batch.", self.labels)
+        self.waiting = gauge("num_requests_waiting", "Requests queued.", self.labels)
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "Share of the KV blocks in use (0 to 1).", self.labels
+        )
+
+    def update(self, model: dict[str, str], last: StageStats, now: StageStats) -> None:
+        stage = {**model, "stage": str(now.rank)}
+        for field, counter in self.counters.items():
+            counter.labels(**stage).inc(max(getattr(now, field) - getattr(last, field), 0))
+        if now.wall_s > 0:
+            self.busy_fraction.labels(**stage).set(min(now.busy_s / now.wall_s, 1.0))
+        if now.batches:
+            self.tokens_per_batch.labels(**stage).set(now.tokens / now.batches)
+        if now.round_trips:
+            self.round_trip.labels(**model).set(now.round_trip_s / now.round_trips)
+        if now.rank == 0:
+            self.running.labels(**model).set(now.num_running)
+            self.waiting.labels(**model).set(now.num_waiting)
+            self.kv_usage.labels(**model).set(now.kv_blocks_used / max(now.kv_blocks_total, 1))

@@ -167,9 +167,41 @@ class NodeHosts(Control):
     hosts: list[str]
 
 
+@dataclass(frozen=True)
+class StageStats(Control):
+    """What a stage has done since its first step, sent about once a second (ring/report.py)
+    round the ring to stage 0 and on to the frontend's /metrics. Times in seconds; the
+    scheduler's counts are the same on every stage (it is replicated)."""
+
+    op: ClassVar[str] = "stats"
+    rank: int
+    steps: int
+    wall_s: float  # since the first step
+    busy_s: float  # in the stage's forward
+    proxy_wait_s: float  # for the previous stage's seam
+    output_wait_s: float  # for sampled tokens coming round the ring
+    tokens: int  # through the stage's forwards
+    batches: int  # forwards run (non-empty micro-batches)
+    round_trip_s: float  # stage 0: summed time from a step's seam sent to its tokens back
+    round_trips: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
 CTRL_OPS: dict[str, type] = {
     cls.op: cls
-    for cls in (StageHello, RingReady, Heartbeat, Shutdown, RingError, NodeHello, NodeHosts)
+    for cls in (
+        StageHello,
+        RingReady,
+        Heartbeat,
+        Shutdown,
+        RingError,
+        NodeHello,
+        NodeHosts,
+        StageStats,
+    )
 }
 
 

@@ -26,6 +26,7 @@ from protocol.messages import (
     RingReady,
     Shutdown,
     StageHello,
+    StageStats,
 )
 from ring.config import RingConfig
 from ring.links import Links
@@ -129,6 +130,9 @@ class RingControl:
                 return msg
             if isinstance(msg, RingError):
                 raise RingDown(msg.message, msg.rank)
+            if isinstance(msg, StageStats):
+                self.report(msg)
+                continue
             if not isinstance(msg, (Heartbeat, Shutdown)):
                 raise RingDown(f"{self.prefix} unexpected ctrl {msg.op} while running")
             if msg.rank != self.cfg.rank:
@@ -167,6 +171,15 @@ class RingControl:
             self.last_heard = time.monotonic()
             if isinstance(msg, RingError):
                 raise RingDown(msg.message, msg.rank)
+            if isinstance(msg, StageStats):
+                self.report(msg)
+
+    def report(self, stats: StageStats) -> None:
+        """A stage's statistics (its own or another's) on towards the frontend: stage 0 hands
+        them over, every other stage passes them on round the ring."""
+        channel = self.links.deltas if self.cfg.is_first_stage else self.links.next
+        if channel is not None:
+            channel.send(stats)
 
     # -- the end -----------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from protocol.messages import RequestDelta, StageHello
 from ring.config import RingConfig
 from ring.control import ModelInfo, RingControl, RingDown
 from ring.links import Links
+from ring.report import StatsReporter
 from ring.roles import LoopStats, build_roles
 from ring.scheduler import Batch, DivergenceError, Scheduler, batch_digest
 from stages.contract import FinishedStep, Seam, Stage, StageOutput, StepHandle
@@ -98,9 +99,11 @@ class StageLoop:
                 self.handshake()
             self.head.announce_ready(self.scheduler.num_kv_blocks)
             start = time.monotonic()
+            reporter = StatsReporter(self.cfg, self.control, self.stats)
             step = 0
             while self._step(step):
                 step += 1
+                reporter.after_step(self.scheduler)
             self.stats.wall_s = time.monotonic() - start
             self._log_stats()
             return 0
@@ -190,6 +193,8 @@ class StageLoop:
         self.launched_at = time.monotonic()
         if not batch.entries:
             return FinishedStep(self.stage.empty_output(), seam=not self.stage.is_last_stage)
+        self.stats.batches += 1
+        self.stats.tokens += batch.num_tokens
         return self.stage.launch(batch.chunks, **(seam or {}), **self.tail.sampling_args(batch))
 
     def _wait(self, handle: StepHandle) -> StageOutput:

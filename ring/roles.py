@@ -52,6 +52,10 @@ class LoopStats:
     stalls_s: float = 0.0  # time waiting for an output that was due
     proxy_wait_s: float = 0.0
     reqs_wait_s: float = 0.0
+    tokens: int = 0  # through the forwards
+    batches: int = 0  # forwards run
+    round_trip_s: float = 0.0  # stage 0 (of a ring): seam sent to its sampled tokens back
+    round_trips: int = 0
 
 
 class FrontendHead:
@@ -156,6 +160,7 @@ class SeamTail:
     ) -> None:
         self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
         self.forward_outputs = cfg.rank + 1 < cfg.pp_size - 1  # the last stage made them
+        self.sent_at: dict[int, float] = {}  # stage 0: step -> when its seam left
 
     def sampling_args(self, batch: Batch) -> dict[str, Any]:
         return {}
@@ -165,11 +170,18 @@ class SeamTail:
             return  # fault injection: the proxy is lost
         hidden, residual = seam["hidden_states"], seam["residual"]
         self.links.next.queue(Proxy(batch.slot, batch.step, batch.digest, hidden, residual))
+        if self.cfg.is_first_stage:
+            self.sent_at[batch.step] = time.monotonic()
 
     def take_output(self, due: int) -> Output:
         started = time.monotonic()
         output: Output = self.control.recv("output")
-        self.stats.stalls_s += time.monotonic() - started
+        now = time.monotonic()
+        self.stats.stalls_s += now - started
+        sent = self.sent_at.pop(due, None)
+        if sent is not None:
+            self.stats.round_trip_s += now - sent
+            self.stats.round_trips += 1
         if output.step != due:
             raise SequenceError(
                 f"{self.control.prefix} expected the output of step {due}, got step {output.step}"

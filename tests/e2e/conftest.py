@@ -28,6 +28,7 @@ class LocalServer:
     """`ppring local ...` started by PID; stopped by PID (SIGTERM, then SIGKILL)."""
 
     def __init__(self, args: list[str], log_dir: Path) -> None:
+        self.args = args
         self.port = find_free_base_port(16)
         self.http_port = self.port + 15  # the ring takes the first few of the 16 ports
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))

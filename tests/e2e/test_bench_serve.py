@@ -73,3 +73,40 @@ def test_bench_serve_at_several_concurrencies_on_a_random_model(tmp_path):
     assert set(by_c) == {"1", "4"} and set(by_c["1"]) == {"PP=1", "PP=2", "HF generate"}
     assert (tmp_path / "logs" / "pp2").is_dir()  # --log-dir keeps the rings' logs
     assert (out / "bench_serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_through_the_openai_api_and_the_native_client_side_by_side(
+    default_model, tmp_path
+):
+    """`--backend ppring,openai`: the same ring through both clients, alternated; then
+    `--base-url` against that server's API alone is what a user runs against another engine."""
+    model = make_tiny_llama(tmp_path / "tiny", vocab=49152, num_layers=2, max_positions=1024)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, model / name)
+    out = tmp_path / "out"
+    code = serve_bench.main(
+        [
+            "--model", str(model), "--pp-sizes", "1", "--num-requests", "6",
+            "--concurrency", "3", "--prompt-tokens", "8,64", "--output-tokens", "4,12",
+            "--no-sweep", "--no-baseline", "--backend", "ppring,openai", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "bench_serve.json").read_text())
+    expected_tokens = result["workload"]["output_tokens_total"]
+    points = {p["layout"]: p for p in result["points"]}
+    assert set(points) == {"PP=1", "PP=1 HTTP"}
+    for point in points.values():  # the server's own count of tokens, over either client
+        assert point["num_requests"] == 6 and point["output_tokens"] == expected_tokens
+        assert point["ttft_p50_ms"] > 0
+    assert set(result["headline"]["http_over_native"]) == {"PP=1 HTTP"}
+
+
+def test_bench_serve_backend_flags_are_checked():
+    for bad in (["--backend", "grpc"], ["--base-url", "http://x/v1", "--backend", "ppring"]):
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(bad)
+    args = serve_bench.parse_args(["--base-url", "http://127.0.0.1:8000/v1"])
+    assert args.backends == ["openai"]

@@ -252,3 +252,30 @@ def test_a_dropped_stream_is_aborted_and_the_counters_add_up(server):
     )
     assert prompt_delta == 2 * served["prompt_tokens"]  # the dropped request and this one
     assert generated_delta >= served["completion_tokens"] + 3
+
+
+@pytest.mark.timeout(60)
+def test_every_stage_reports_its_time_and_the_kv_pool_is_whole_at_idle(server):
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        body = {"model": "smol", "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0}
+        assert http.post("/v1/completions", json=body).status_code == 200
+    pp_size = int(server.args[server.args.index("--pp-size") + 1])
+    deadline = time.monotonic() + 10
+    while True:  # stages report about once a second, and once more on going idle
+        values = metrics(server)
+        busy = {
+            json.loads(k[len("ppring:stage_busy_fraction") :])["stage"]: v
+            for k, v in values.items()
+            if k.startswith("ppring:stage_busy_fraction{")
+        }
+        usage = values.get('ppring:kv_cache_usage_perc{"model_name": "smol"}')
+        if (len(busy) == pp_size and usage == 0.0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert sorted(busy) == [str(rank) for rank in range(pp_size)]
+    assert all(0 < fraction <= 1 for fraction in busy.values()), busy
+    assert usage == 0.0
+    assert values['ppring:num_requests_running{"model_name": "smol"}'] == 0
+    assert counter(values, "ppring:stage_tokens_total") > 0
+    if pp_size > 1:
+        assert values['ppring:ring_round_trip_seconds{"model_name": "smol"}'] > 0
