@@ -14,12 +14,18 @@ from bench.random_model import PRESETS, make_random_model
 from tests.tiny_llama import make_tiny_llama
 
 
-@pytest.mark.timeout(300)
-def test_bench_serve_runs_every_layout_and_the_baseline(default_model, tmp_path):
+def tiny_model_speaking(default_model, tmp_path):
+    """A two-layer random Llama with the default model's tokenizer (and vocabulary)."""
     model = make_tiny_llama(tmp_path / "tiny", vocab=49152, num_layers=2, max_positions=1024)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (default_model / name).exists():
             shutil.copy(default_model / name, model / name)
+    return model
+
+
+@pytest.mark.timeout(300)
+def test_bench_serve_runs_every_layout_and_the_baseline(default_model, tmp_path):
+    model = tiny_model_speaking(default_model, tmp_path)
     out = tmp_path / "out"
     code = serve_bench.main(
         [
@@ -81,10 +87,7 @@ def test_bench_serve_through_the_openai_api_and_the_native_client_side_by_side(
 ):
     """`--backend ppring,openai`: the same ring through both clients, alternated; then
     `--base-url` against that server's API alone is what a user runs against another engine."""
-    model = make_tiny_llama(tmp_path / "tiny", vocab=49152, num_layers=2, max_positions=1024)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default_model / name).exists():
-            shutil.copy(default_model / name, model / name)
+    model = tiny_model_speaking(default_model, tmp_path)
     out = tmp_path / "out"
     code = serve_bench.main(
         [

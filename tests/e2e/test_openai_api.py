@@ -83,9 +83,25 @@ def test_greedy_completions_are_transformers_tokens_streamed_or_not(server, clie
         assert events[-1].usage.model_dump() == whole.usage.model_dump()
 
 
+@pytest.fixture(scope="module")
+def hf_chat_greedy(default_model) -> list[int]:
+    """transformers' greedy answer to CHAT, through the model's chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1] :].tolist()
+
+
 @pytest.mark.timeout(300)
-def test_greedy_chat_is_the_native_answer_streamed_or_not(server, client):
+def test_greedy_chat_is_the_native_answer_streamed_or_not(server, client, hf_chat_greedy):
     ring = asyncio.run(native(server.addr, messages=CHAT, max_new_tokens=24, temperature=0))
+    assert ring.token_ids == hf_chat_greedy  # the tokens behind the text
     whole = client.chat.completions.create(
         model="smol", messages=CHAT, max_tokens=24, temperature=0
     )
