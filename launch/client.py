@@ -21,11 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.channels import AsyncDealerChannel, ChannelTimeout, DealerChannel
-from protocol.messages import Abort, ChatMessage, Chunk, Done, Error, Generate
+from protocol.messages import Abort, ChatMessage, Chunk, Done, Error, Generate, Ping, Pong
 from protocol.sampling import SamplingParams
 from ring.topology import DEFAULT_PORT
 
 DEFAULT_ADDR = f"tcp://127.0.0.1:{DEFAULT_PORT}"
+# How long a client waits for the frontend's first sign of life (its answer to a ping) before
+# saying nothing listens; once it has answered, a slow ring gets the full request timeout.
+CONNECT_TIMEOUT_S = 3.0
+
+
+class FrontendUnreachable(ConnectionError):
+    """No ppring frontend answered at the address."""
+
+    def __init__(self, addr: str, timeout_s: float) -> None:
+        super().__init__(f"no ppring frontend answers at {addr} (waited {timeout_s:.0f} s)")
 
 
 class RequestError(RuntimeError):
@@ -65,11 +75,19 @@ def _build(
 class Client:
     """Blocking client. `timeout_s` bounds the wait for each message of a stream."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        addr: str = DEFAULT_ADDR,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.addr = addr
         self.channel = DealerChannel(addr)
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self._answered = False  # the frontend has answered something on this socket
         self.last_done: Done | None = None
 
     def generate(
@@ -83,15 +101,14 @@ class Client:
     ) -> Iterator[Chunk]:
         """Stream the answer as chunks; `last_done` holds usage and timings afterwards."""
         rid = f"{self._prefix}-{next(self._ids)}"
+        if not self._answered:
+            self.channel.send(Ping(rid=rid))
         self.channel.send(_build(rid, prompt, messages, input_ids, stop, sampling))
         finished = False
         try:
             while True:
-                try:
-                    msg = self.channel.recv(self.timeout_s)
-                except ChannelTimeout:
-                    raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
-                if getattr(msg, "rid", None) != rid:
+                msg = self._recv()
+                if getattr(msg, "rid", None) != rid or isinstance(msg, Pong):
                     continue  # a late answer to an earlier, abandoned request
                 if isinstance(msg, Chunk):
                     yield msg
@@ -105,6 +122,17 @@ class Client:
         finally:
             if not finished:
                 self.channel.send(Abort(rid=rid))
+
+    def _recv(self) -> Any:
+        timeout_s = self.timeout_s if self._answered else self.connect_timeout_s
+        try:
+            msg = self.channel.recv(timeout_s)
+        except ChannelTimeout:
+            if not self._answered:
+                raise FrontendUnreachable(self.addr, timeout_s) from None
+            raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
+        self._answered = True
+        return msg
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         chunks = list(self.generate(prompt, **kwargs))
@@ -131,13 +159,22 @@ class Client:
 class AsyncClient:
     """asyncio client: many concurrent requests over one socket."""
 
-    def __init__(self, addr: str = DEFAULT_ADDR, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        addr: str = DEFAULT_ADDR,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    ) -> None:
+        self.addr = addr
         self.channel = AsyncDealerChannel(addr)
         self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._answered = asyncio.Event()  # the frontend has answered something
+        self._pinged = False
 
     async def generate(
         self,
@@ -151,6 +188,7 @@ class AsyncClient:
         """Yields chunks, then the final Done."""
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+        await self._check_frontend()
         rid = f"{self._prefix}-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
@@ -191,9 +229,21 @@ class AsyncClient:
     async def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Completion:
         return await self.complete(messages=messages, **kwargs)
 
+    async def _check_frontend(self) -> None:
+        """Before the first request: a ping, answered within the connect timeout, or
+        FrontendUnreachable (every request waiting on it fails alike)."""
+        if not self._pinged:
+            self._pinged = True
+            await self.channel.send(Ping(rid=f"{self._prefix}-ping"))
+        try:
+            await asyncio.wait_for(self._answered.wait(), self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise FrontendUnreachable(self.addr, self.connect_timeout_s) from None
+
     async def _read(self) -> None:
         while True:
             msg = await self.channel.recv()
+            self._answered.set()
             queue = self._queues.get(getattr(msg, "rid", ""))
             if queue is not None:
                 queue.put_nowait(msg)

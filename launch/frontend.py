@@ -34,6 +34,8 @@ from protocol.messages import (
     Error,
     Generate,
     NewRequest,
+    Ping,
+    Pong,
     RequestDelta,
     RingError,
     RingReady,
@@ -144,8 +146,12 @@ class Frontend:
                     )
                 elif isinstance(msg, Abort):
                     self.abort(_ring_rid(identity, msg.rid))
+                elif isinstance(msg, Ping):
+                    await self.clients.send(identity, Pong(msg.rid))
                 else:
-                    raise ProtocolError(f"a client may send generate or abort, not {msg.kind}")
+                    raise ProtocolError(
+                        f"a client may send generate, abort or ping, not {msg.kind}"
+                    )
             except ProtocolError as exc:
                 self.num_bad_messages += 1
                 rid = getattr(msg, "rid", "")

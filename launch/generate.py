@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.client import DEFAULT_ADDR, Client, RequestError
+from launch.client import DEFAULT_ADDR, Client, FrontendUnreachable, RequestError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
             sys.stdout.write("\n")
             done = client.last_done
-    except (RequestError, TimeoutError, ValueError) as exc:
+    except (RequestError, TimeoutError, ValueError, FrontendUnreachable) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     if args.usage and done is not None:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launch.stage import PARENT_PID_ENV
 from protocol.messages import RingReady
 from ring.harness import RingDriver
 from ring.topology import RingAddresses
@@ -86,7 +87,8 @@ class ProcessGroup:
     ) -> subprocess.Popen:
         """Start `argv` with its output in `log_path`, or on our stderr if `inherit` (stdout
         stays ours alone), or discarded."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # The stage asks the kernel to kill it when this process dies (launch/stage.py).
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{PARENT_PID_ENV: str(os.getpid())})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         if log_path:
             out = open(log_path, "ab")  # noqa: SIM115 - closed below; the child keeps its copy

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -18,6 +19,9 @@ from ring.config import RingConfig
 from ring.topology import DEFAULT_PORT, RingAddresses
 
 logger = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "PPRING_LAUNCHER_PID"  # set by launch/procs.py for the stages it starts
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelInfo)
@@ -77,11 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def die_with_launcher() -> None:
+    """Have the kernel kill this stage when its launcher dies, however it dies (a SIGKILL runs
+    no cleanup): Linux's PR_SET_PDEATHSIG, asked for first thing. The launcher names itself in
+    PARENT_PID_ENV; if it is already gone (it died before we asked), exit now. The signal comes
+    when the launcher's thread that started us ends, so launchers start stages from their main
+    thread."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: this stage may outlive its launcher")
+    elif os.getppid() != int(parent):
+        logger.error("the launcher (pid %s) is gone: not starting", parent)
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
     )
+    die_with_launcher()
+    args = build_parser().parse_args(argv)
     cfg = ring_config(args, args.rank)
     addrs = RingAddresses(
         cfg.pp_size,

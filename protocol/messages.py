@@ -2,7 +2,8 @@
 
 Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`) and between stage 0 and the
 frontend (`submit` and `stop_serving` in, `deltas` and `ctrl` out); client kinds travel
-between a client and the frontend (`generate`, `abort`, `chunk`, `done`, `error`). Fields typed
+between a client and the frontend (`generate`, `abort`, `ping`, `pong`, `chunk`, `done`,
+`error`). Fields typed
 `Tensor` travel as raw frames after the msgpack header (protocol/codec.py); every other field
 travels inside the header and is type-checked on decode (protocol/schema.py).
 
@@ -295,6 +296,20 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Ping:
+    """A client asks whether a frontend listens; it answers `pong` at once, ring up or not."""
+
+    kind: ClassVar[str] = "ping"
+    rid: str
+
+
+@dataclass(frozen=True)
+class Pong:
+    kind: ClassVar[str] = "pong"
+    rid: str
+
+
+@dataclass(frozen=True)
 class Chunk:
     """An incremental piece of a streamed answer: new text and the token ids it came from."""
 
@@ -336,7 +351,9 @@ class Error:
 RING_KINDS: dict[str, type] = {
     cls.kind: cls for cls in (Reqs, Proxy, Output, Control, Submit, StopServing, Deltas)
 }
-CLIENT_KINDS: dict[str, type] = {cls.kind: cls for cls in (Generate, Abort, Chunk, Done, Error)}
+CLIENT_KINDS: dict[str, type] = {
+    cls.kind: cls for cls in (Generate, Abort, Ping, Pong, Chunk, Done, Error)
+}
 ALL_KINDS: dict[str, type] = {**RING_KINDS, **CLIENT_KINDS}
 
 # Kinds whose (slot, step) a receiver checks for continuity.

@@ -106,6 +106,8 @@ class ThreadRing:
     make_stage: Callable[[RingConfig], Stage]
     model: ModelInfo
     run_id: str = "ring"
+    # Each stage's view of the model, when they should differ (a test of the handshake).
+    model_for: Callable[[RingConfig], ModelInfo] | None = None
     loops: list[StageLoop] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)
 
@@ -119,7 +121,8 @@ class ThreadRing:
         self.driver = RingDriver(self.addrs, self.ctx)
         for c, stage_links in zip(cfgs, links):
             connect_links(stage_links, c, self.addrs, self.ctx)
-            self.loops.append(StageLoop(c, self.make_stage(c), stage_links, self.model))
+            model = self.model_for(c) if self.model_for is not None else self.model
+            self.loops.append(StageLoop(c, self.make_stage(c), stage_links, model))
         self.threads = [
             threading.Thread(target=self._run, args=(loop,), name=f"pp{loop.cfg.rank}", daemon=True)
             for loop in self.loops

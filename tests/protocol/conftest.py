@@ -20,6 +20,8 @@ from protocol.messages import (
     NodeHello,
     NodeHosts,
     Output,
+    Ping,
+    Pong,
     Proxy,
     Reqs,
     RequestDelta,
@@ -111,6 +113,8 @@ def sample_messages() -> list:
         Generate(rid="g2", messages=[ChatMessage(role="user", content="hi")]),
         Generate(rid="g3", input_ids=[10, 11]),
         Abort(rid="g1"),
+        Ping(rid="p1"),
+        Pong(rid="p1"),
         Chunk(rid="g1", text="wörld", token_ids=[7, 8], logprobs=[-0.1, -0.2]),
         Done(
             rid="g1",

@@ -7,6 +7,7 @@ import pytest
 import torch
 import zmq.asyncio
 
+from launch.procs import find_free_base_port
 from protocol.channels import (
     AsyncDealerChannel,
     AsyncRouterChannel,
@@ -19,12 +20,13 @@ from protocol.messages import Abort, Done, Proxy, Reqs
 
 def test_push_never_blocks_even_before_the_peer_binds(ctx):
     # Start-up order is free: the next stage may not be listening yet.
-    push = PushChannel("tcp://127.0.0.1:47391", ctx=ctx)
+    addr = f"tcp://127.0.0.1:{find_free_base_port(1)}"
+    push = PushChannel(addr, ctx=ctx)
     start = time.monotonic()
     for step in range(200):
         push.send(Proxy(0, step, "x", torch.randn(64, 64), torch.randn(64, 64)))
     assert time.monotonic() - start < 2.0
-    pull = PullChannel("tcp://127.0.0.1:47391", ctx=ctx)
+    pull = PullChannel(addr, ctx=ctx)
     try:
         assert [pull.recv(timeout_s=5).step for _ in range(200)] == list(range(200))
     finally:

@@ -7,7 +7,6 @@ import tracemalloc
 
 import msgpack
 import pytest
-import zmq
 
 from protocol.channels import BadClientMessage, DealerChannel, RouterChannel
 from protocol.codec import decode, encode
@@ -145,23 +144,29 @@ def test_5000_bad_messages_on_a_live_ring_socket_leave_it_working(link):
 @pytest.mark.timeout(60)
 def test_a_live_client_socket_names_the_sender_of_a_bad_message(ctx):
     router = RouterChannel("tcp://127.0.0.1:*", ctx=ctx)
-    dealer = DealerChannel(router.addr, ctx=ctx)
+    dealers = [DealerChannel(router.addr, ctx=ctx) for _ in range(2)]
     rng = random.Random(7)
     try:
+        senders = []  # each dealer's identity as the router sees it, from a good message
+        for n, dealer in enumerate(dealers):
+            dealer.send(Abort(rid=f"hello{n}"))
+            identity, msg = router.recv(timeout_s=5)
+            assert msg == Abort(rid=f"hello{n}")
+            senders.append(identity)
+        assert senders[0] != senders[1]
         bad = 0
-        for _ in range(500):
-            dealer.sock.send_multipart(random_junk(rng))
+        for n in range(500):
+            dealers[n % 2].sock.send_multipart(random_junk(rng))
             try:
                 router.recv(timeout_s=5)
             except BadClientMessage as exc:
-                assert exc.identity == dealer.sock.getsockopt(zmq.IDENTITY) or exc.identity
+                assert exc.identity == senders[n % 2]  # the one that sent it, not the other
                 bad += 1
         assert bad > 450
-        dealer.send(Abort(rid="ok"))
-        identity, msg = router.recv(timeout_s=5)
-        assert msg == Abort(rid="ok")
-        router.send(identity, Abort(rid="back"))
-        assert dealer.recv(timeout_s=5) == Abort(rid="back")
+        for n, dealer in enumerate(dealers):  # the identity reaches its sender
+            router.send(senders[n], Abort(rid=f"back{n}"))
+            assert dealer.recv(timeout_s=5) == Abort(rid=f"back{n}")
     finally:
-        dealer.close(0)
+        for dealer in dealers:
+            dealer.close(0)
         router.close(0)

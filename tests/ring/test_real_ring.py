@@ -5,6 +5,7 @@ are spread over the slots."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -58,3 +59,51 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_si
                 torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
             )
         assert got[rid] == out[0, len(prompt) :].tolist(), rid
+
+
+@pytest.mark.timeout(120)
+def test_aborts_in_a_ring_of_real_stages_free_their_kv_and_leave_the_others_exact(tiny):
+    """Aborts at every point of a request's life (waiting, prefilling, decoding) on stages that
+    really hold its KV: the pool is whole on every stage afterwards, the others' tokens exact."""
+    folder, model = tiny
+    rng = random.Random(3)
+    requests = [
+        (f"r{i}", [rng.randrange(3, 256) for _ in range(rng.randint(20, 150))],
+         SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        for i in range(16)
+    ]  # fmt: skip
+    at_once = {"r3", "r9"}  # aborted as soon as sent: waiting, or in their first chunk
+    after_tokens = {"r1", "r6", "r12", "r15"}  # aborted once they have 2 tokens
+    cfg = RingConfig(pp_size=2, max_running_requests=6, chunked_prefill_size=48)
+
+    def make(c: RingConfig) -> StageRunner:
+        start, end = layer_range([2, 2], c.rank)
+        return StageRunner(folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank)
+
+    with ThreadRing(cfg, make, ModelInfo(context_length=512), "real-abort") as ring:
+        driver = ring.driver
+        driver.submit_many(requests)
+        for rid in sorted(at_once):
+            driver.abort(rid)
+        pending = set(after_tokens)
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            driver.poll(0.01)
+            for rid in [r for r in pending if len(driver.tokens[r]) >= 2]:
+                driver.abort(rid)
+                pending.discard(rid)
+        driver.wait_finished([r[0] for r in requests], timeout_s=90)
+        assert ring.stop() == {0: 0, 1: 0}
+        for loop in ring.loops:  # each stage's replica of the pool, which places its real KV
+            assert loop.scheduler.allocator.is_whole(), loop.prefix
+    reasons = {rid: driver.finished[rid].finish_reason for rid, _, _ in requests}
+    assert [r for r in at_once | after_tokens if reasons[r] == "abort"], reasons
+    for rid, prompt, _ in requests:
+        if rid in at_once | after_tokens:
+            continue
+        assert reasons[rid] == "length", rid
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+            )
+        assert driver.tokens[rid] == out[0, len(prompt) :].tolist(), rid
