@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test lint demo bench-codec bench-ring bench-serve bench-step clean
+.PHONY: setup test lint demo soak bench-codec bench-ring bench-serve bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ test: lint
 demo: setup
 	$(BIN)/ppring prepare-model
 	$(BIN)/python -m launch.demo
+
+# The full soak: 10,000 requests on a PP=2 ring (make test runs a short form); its figures go
+# to bench/results/soak.json.
+soak: setup
+	$(BIN)/ppring prepare-model
+	mkdir -p bench/results
+	PPRING_SOAK_REQUESTS=10000 PPRING_SOAK_REPORT=bench/results/soak.json \
+		$(BIN)/pytest tests/soak -s -p no:cacheprovider
 
 bench-codec: setup
 	$(BIN)/python -m bench.codec

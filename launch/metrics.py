@@ -145,6 +145,9 @@ class StageMetrics:
         self.kv_usage = gauge(
             "kv_cache_usage_perc", "Share of the KV blocks in use (0 to 1).", self.labels
         )
+        self.kv_blocks_used = gauge(
+            "stage_kv_blocks_used", "KV blocks in use, as the stage's own scheduler replica has it."
+        )
 
     def update(self, model: dict[str, str], last: StageStats, now: StageStats) -> None:
         stage = {**model, "stage": str(now.rank)}
@@ -156,6 +159,7 @@ class StageMetrics:
             self.tokens_per_batch.labels(**stage).set(now.tokens / now.batches)
         if now.round_trips:
             self.round_trip.labels(**model).set(now.round_trip_s / now.round_trips)
+        self.kv_blocks_used.labels(**stage).set(now.kv_blocks_used)
         if now.rank == 0:
             self.running.labels(**model).set(now.num_running)
             self.waiting.labels(**model).set(now.num_waiting)
