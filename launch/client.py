@@ -72,8 +72,20 @@ def _build(
     )
 
 
-class Client:
-    """Blocking client. `timeout_s` bounds the wait for each message of a stream."""
+class _ClientBase:
+    """What both clients hold: the address, the timeouts, and request ids unique to this client
+    (`{prefix}-{n}`). `timeout_s` bounds the wait for each message of a stream."""
+
+    def __init__(self, addr: str, timeout_s: float, connect_timeout_s: float) -> None:
+        self.addr = addr
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+
+class Client(_ClientBase):
+    """Blocking client, one request at a time."""
 
     def __init__(
         self,
@@ -81,12 +93,8 @@ class Client:
         timeout_s: float = 120.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
-        self.addr = addr
+        super().__init__(addr, timeout_s, connect_timeout_s)
         self.channel = DealerChannel(addr)
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
         self._answered = False  # the frontend has answered something on this socket
         self.last_done: Done | None = None
 
@@ -156,7 +164,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client: many concurrent requests over one socket."""
 
     def __init__(
@@ -165,12 +173,8 @@ class AsyncClient:
         timeout_s: float = 120.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
-        self.addr = addr
+        super().__init__(addr, timeout_s, connect_timeout_s)
         self.channel = AsyncDealerChannel(addr)
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self._ids = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._answered = asyncio.Event()  # the frontend has answered something

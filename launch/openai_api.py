@@ -490,9 +490,7 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(422, f"{where}: {first['msg']}") from None
+        raise ApiError(422, _say(exc)) from None
 
 
 def _generate_from_tokenize_body(body: dict[str, Any]) -> Generate:
@@ -516,7 +514,8 @@ def _ring_error(msg: Error) -> JSONResponse:
 def _say(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
-        return f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        return f"{where}: {first['msg']}"
     return str(exc)
 
 
