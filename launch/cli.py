@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "one process per node: this node's stage (node 0: also the frontend)",
     ),
     "generate": ("launch.generate", "stream one completion from a running ring to stdout"),
+    "keygen": ("launch.keygen", "write a CURVE key pair for a node or a client (--curve-dir)"),
     "prepare-model": (
         "launch.prepare_model",
         "convert the default model (SmolLM2-135M-Instruct) into the cache; print its folder",

@@ -9,11 +9,18 @@
 `Client` is blocking and runs one request at a time; `AsyncClient` multiplexes any number of
 concurrent requests over one socket. Leaving a stream early (break, close, timeout) aborts the
 request in the ring.
+
+A ring started with `--curve-dir` admits only clients with a key pair it knows:
+
+    from protocol.curve import client_keys
+    keys = client_keys("node0.key", "alice.key_secret")  # the frontend node's key, and yours
+    client = Client("tcp://198.18.0.1:30000", security=keys)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.channels import AsyncDealerChannel, ChannelTimeout, DealerChannel
+from protocol.curve import CurveClient
 from protocol.messages import Abort, ChatMessage, Chunk, Done, Error, Generate, Ping, Pong
 from protocol.sampling import SamplingParams
 from ring.topology import DEFAULT_PORT
@@ -34,8 +42,13 @@ CONNECT_TIMEOUT_S = 3.0
 class FrontendUnreachable(ConnectionError):
     """No ppring frontend answered at the address."""
 
-    def __init__(self, addr: str, timeout_s: float) -> None:
-        super().__init__(f"no ppring frontend answers at {addr} (waited {timeout_s:.0f} s)")
+    def __init__(self, addr: str, timeout_s: float, curve: bool) -> None:
+        hint = (
+            "; is your key in the ring's clients/ folder, and is it node 0's key you passed?"
+            if curve
+            else "; if the ring runs with --curve-dir, pass its node key and your key pair"
+        )
+        super().__init__(f"no ppring frontend answers at {addr} (waited {timeout_s:.0f} s){hint}")
 
 
 class RequestError(RuntimeError):
@@ -76,8 +89,11 @@ class _ClientBase:
     """What both clients hold: the address, the timeouts, and request ids unique to this client
     (`{prefix}-{n}`). `timeout_s` bounds the wait for each message of a stream."""
 
-    def __init__(self, addr: str, timeout_s: float, connect_timeout_s: float) -> None:
+    def __init__(
+        self, addr: str, timeout_s: float, connect_timeout_s: float, security: CurveClient | None
+    ) -> None:
         self.addr = addr
+        self.security = security
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._ids = itertools.count()
@@ -92,9 +108,10 @@ class Client(_ClientBase):
         addr: str = DEFAULT_ADDR,
         timeout_s: float = 120.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        security: CurveClient | None = None,
     ) -> None:
-        super().__init__(addr, timeout_s, connect_timeout_s)
-        self.channel = DealerChannel(addr)
+        super().__init__(addr, timeout_s, connect_timeout_s, security)
+        self.channel = DealerChannel(addr, security=security)
         self._answered = False  # the frontend has answered something on this socket
         self.last_done: Done | None = None
 
@@ -110,8 +127,8 @@ class Client(_ClientBase):
         """Stream the answer as chunks; `last_done` holds usage and timings afterwards."""
         rid = f"{self._prefix}-{next(self._ids)}"
         if not self._answered:
-            self.channel.send(Ping(rid=rid))
-        self.channel.send(_build(rid, prompt, messages, input_ids, stop, sampling))
+            self._send(Ping(rid=rid))
+        self._send(_build(rid, prompt, messages, input_ids, stop, sampling))
         finished = False
         try:
             while True:
@@ -129,7 +146,17 @@ class Client(_ClientBase):
                     raise RequestError(msg.code, msg.message)
         finally:
             if not finished:
-                self.channel.send(Abort(rid=rid))
+                with contextlib.suppress(ChannelTimeout):  # no frontend: nothing to abort
+                    self.channel.send(Abort(rid=rid), timeout_s=0)
+
+    def _send(self, msg: Any) -> None:
+        timeout_s = self.timeout_s if self._answered else self.connect_timeout_s
+        try:
+            self.channel.send(msg, timeout_s)
+        except ChannelTimeout:
+            if not self._answered:
+                raise FrontendUnreachable(self.addr, timeout_s, bool(self.security)) from None
+            raise TimeoutError(f"could not send within {self.timeout_s:.0f} s") from None
 
     def _recv(self) -> Any:
         timeout_s = self.timeout_s if self._answered else self.connect_timeout_s
@@ -137,7 +164,7 @@ class Client(_ClientBase):
             msg = self.channel.recv(timeout_s)
         except ChannelTimeout:
             if not self._answered:
-                raise FrontendUnreachable(self.addr, timeout_s) from None
+                raise FrontendUnreachable(self.addr, timeout_s, bool(self.security)) from None
             raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
         self._answered = True
         return msg
@@ -172,9 +199,10 @@ class AsyncClient(_ClientBase):
         addr: str = DEFAULT_ADDR,
         timeout_s: float = 120.0,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        security: CurveClient | None = None,
     ) -> None:
-        super().__init__(addr, timeout_s, connect_timeout_s)
-        self.channel = AsyncDealerChannel(addr)
+        super().__init__(addr, timeout_s, connect_timeout_s, security)
+        self.channel = AsyncDealerChannel(addr, security=security)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._answered = asyncio.Event()  # the frontend has answered something
@@ -236,13 +264,18 @@ class AsyncClient(_ClientBase):
     async def _check_frontend(self) -> None:
         """Before the first request: a ping, answered within the connect timeout, or
         FrontendUnreachable (every request waiting on it fails alike)."""
-        if not self._pinged:
-            self._pinged = True
-            await self.channel.send(Ping(rid=f"{self._prefix}-ping"))
         try:
+            if not self._pinged:
+                self._pinged = True
+                # A DEALER's send waits while no peer is connected (a CURVE server refusing
+                # this client's key, say): bounded by the connect timeout too.
+                ping = self.channel.send(Ping(rid=f"{self._prefix}-ping"))
+                await asyncio.wait_for(ping, self.connect_timeout_s)
             await asyncio.wait_for(self._answered.wait(), self.connect_timeout_s)
         except asyncio.TimeoutError:
-            raise FrontendUnreachable(self.addr, self.connect_timeout_s) from None
+            raise FrontendUnreachable(
+                self.addr, self.connect_timeout_s, bool(self.security)
+            ) from None
 
     async def _read(self) -> None:
         while True:

@@ -72,6 +72,13 @@ FLAGS: tuple[Flag, ...] = (
         agreed=True,
     ),
     Flag("--device", str, "cpu"),
+    Flag(
+        "--curve-dir",
+        str,
+        None,
+        help="encrypt and authenticate every ZeroMQ socket with CURVE, with the keys in this "
+        "folder (nodeR.key_secret, every node's nodeR.key, clients/*.key; `ppring keygen`)",
+    ),
     Flag("--threads-per-stage", int, None),
     Flag("--kv-memory-gib", float, 1.0),
     # Simulated stage (--stage-impl sim).

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from launch.detokenize import IncrementalDetokenizer
 from protocol.channels import AsyncPullChannel, AsyncRouterChannel, BadClientMessage, PushChannel
+from protocol.curve import CurveServer, warn_if_exposed
 from protocol.errors import ProtocolError
 from protocol.messages import (
     Abort,
@@ -79,12 +80,16 @@ class Frontend:
         deltas_addr: str,
         context_length: int,
         metrics: FrontendMetrics | None = None,
+        security: CurveServer | None = None,
     ) -> None:
+        """`security`: CURVE for the client socket (protocol/curve.py); None: clear text, with
+        a warning when `client_addr` is reachable from other hosts."""
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.context_length = context_length
         self.vocab_size = len(tokenizer)
-        self.clients = AsyncRouterChannel(client_addr)
+        warn_if_exposed(client_addr, security, "the frontend's client socket")
+        self.clients = AsyncRouterChannel(client_addr, security=security)
         self.deltas = AsyncPullChannel(deltas_addr)
         self.intake = PushChannel(intake_addr)
         self.inflight: dict[str, Inflight] = {}  # ring rid -> request

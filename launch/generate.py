@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from launch.client import DEFAULT_ADDR, Client, FrontendUnreachable, RequestError
+from protocol.curve import client_keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--usage", action="store_true", help="print usage and timings after")
+    parser.add_argument(
+        "--server-key", help="CURVE: the frontend node's public key file (node0.key)"
+    )
+    parser.add_argument("--curve-key", help="CURVE: this client's key pair (NAME.key_secret)")
     args = parser.parse_args(argv)
+    if bool(args.server_key) != bool(args.curve_key):
+        parser.error("--server-key and --curve-key go together: CURVE needs both")
     sampling = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -39,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         else {"prompt": args.prompt}
     )
     try:
-        with Client(args.addr, timeout_s=args.timeout) as client:
+        security = client_keys(args.server_key, args.curve_key) if args.server_key else None
+        with Client(args.addr, timeout_s=args.timeout, security=security) as client:
             for chunk in client.generate(**request, stop=args.stop, **sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

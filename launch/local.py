@@ -23,6 +23,7 @@ from typing import Any
 
 from launch.flags import add_flags, flag_argv, ring_config
 from launch.procs import ProcessGroup
+from protocol.curve import NodeKeys
 from ring.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, RingAddresses
 from stages.batch import BLOCK_SIZE
 
@@ -69,6 +70,16 @@ def stage_argv(
     if ring_hosts:
         argv += ["--ring-hosts", ",".join(ring_hosts)]
     return argv
+
+
+def load_keys(args: argparse.Namespace, ranks: range) -> NodeKeys | None:
+    """Node `ranks[0]`'s CURVE keys from --curve-dir, or None without it. Every rank in `ranks`
+    runs here (ppring local: all of them), so each one's keys are checked now, before any stage
+    starts. Raises CurveError naming what is missing."""
+    if not args.curve_dir:
+        return None
+    keys = [NodeKeys.load(args.curve_dir, rank, args.pp_size) for rank in ranks]
+    return keys[0]
 
 
 @dataclass(frozen=True)
@@ -140,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model)
         startup = summary(args, model_dir)
-    except (PrepareModelError, ValueError) as exc:  # stages' ConfigError is a ValueError
+        keys = load_keys(args, range(args.pp_size))
+    except (PrepareModelError, ValueError) as exc:  # ConfigError, CurveError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for line in startup.lines:
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.log_dir:
                 args.log_dir.mkdir(parents=True, exist_ok=True)
             group.start(stage_argv(args, rank, model_dir), log, inherit=log is None)
-        return run_frontend(args, addrs, model_dir, startup.context_length, group)
+        return run_frontend(args, addrs, model_dir, startup.context_length, group, keys)
     except OSError as exc:  # e.g. the port is taken
         print(f"error: {exc}; pick another --port", file=sys.stderr)
         return 2
@@ -167,6 +179,7 @@ def run_frontend(
     model_dir: Path,
     context_length: int,
     group: ProcessGroup,
+    keys: NodeKeys | None = None,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -178,7 +191,7 @@ def run_frontend(
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         pass
     model_name = args.served_model_name or model_dir.name
-    return asyncio.run(_serve(args, addrs, tokenizer, context_length, model_name, group))
+    return asyncio.run(_serve(args, addrs, tokenizer, context_length, model_name, group, keys))
 
 
 def _open_frontend(
@@ -187,6 +200,7 @@ def _open_frontend(
     tokenizer: Any,
     context_length: int,
     model_name: str,
+    keys: NodeKeys | None,
 ) -> tuple[Any, Any]:
     """The ZeroMQ frontend and, unless --http-port 0, the OpenAI API sharing it (not started).
     Raises OSError when the HTTP port cannot be bound."""
@@ -204,6 +218,7 @@ def _open_frontend(
         deltas_addr=addrs.deltas(),
         context_length=context_length,
         metrics=metrics,
+        security=keys and keys.clients_server(),
     )
     if not args.http_port:
         return frontend, None
@@ -225,9 +240,10 @@ async def _serve(
     context_length: int,
     model_name: str,
     group: ProcessGroup,
+    keys: NodeKeys | None,
 ) -> int:
     try:
-        frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name)
+        frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name, keys)
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ import time
 import zmq
 
 from protocol.channels import BadClientMessage, ChannelTimeout, DealerChannel, RouterChannel
+from protocol.curve import CurveClient, CurveServer, warn_if_exposed
 from protocol.messages import NodeHello, NodeHosts, RingError
 
 # What every node must agree on with node 0, and what to tell a node that does not.
@@ -36,14 +37,19 @@ class RendezvousError(RuntimeError):
 
 
 def serve_rendezvous(
-    addr: str, nnodes: int, deadline_s: float, own: NodeHello | None = None
+    addr: str,
+    nnodes: int,
+    deadline_s: float,
+    own: NodeHello | None = None,
+    security: CurveServer | None = None,
 ) -> list[str]:
     """Node 0: collect every rank's hello, check it, answer; return the stage hosts by rank.
 
     `own` is node 0's own hello info, the reference the others are checked against; when None
-    the first registration of rank 0 is used.
+    the first registration of rank 0 is used. `security`: CURVE, admitting the ring's nodes.
     """
-    router = RouterChannel(addr)
+    warn_if_exposed(addr, security, "the rendezvous")
+    router = RouterChannel(addr, security=security)
     registered: dict[int, NodeHello] = {}
     identities: dict[int, bytes] = {}
     reference = own
@@ -103,10 +109,13 @@ def _check(
     return ""
 
 
-def register(addr: str, hello: NodeHello, deadline_s: float) -> list[str]:
-    """Every node: say hello to node 0's rendezvous; return the stage hosts by rank."""
+def register(
+    addr: str, hello: NodeHello, deadline_s: float, security: CurveClient | None = None
+) -> list[str]:
+    """Every node: say hello to node 0's rendezvous; return the stage hosts by rank.
+    `security`: CURVE, with node 0's public key."""
     ctx = zmq.Context.instance()
-    dealer = DealerChannel(addr, ctx=ctx)
+    dealer = DealerChannel(addr, ctx=ctx, security=security)
     try:
         dealer.send(hello)
         try:
@@ -114,7 +123,8 @@ def register(addr: str, hello: NodeHello, deadline_s: float) -> list[str]:
         except ChannelTimeout:
             raise RendezvousError(
                 f"no answer from the rendezvous at {addr} within {deadline_s:.0f} s: is node 0 "
-                f"running, and are all ranks started?"
+                "running, are all ranks started, and do all nodes use --curve-dir alike (with "
+                "each other's node keys), or none of them?"
             ) from None
         if isinstance(answer, RingError):
             raise RendezvousError(answer.message)

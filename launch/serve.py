@@ -21,9 +21,10 @@ import threading
 from pathlib import Path
 
 from launch.flags import add_flags, agreed_flags
-from launch.local import add_http_args, run_frontend, stage_argv, summary
+from launch.local import add_http_args, load_keys, run_frontend, stage_argv, summary
 from launch.procs import ProcessGroup
 from launch.rendezvous import RendezvousError, register, serve_rendezvous
+from protocol.curve import NodeKeys
 from protocol.messages import NodeHello
 from ring.topology import DEFAULT_PORT, RingAddresses
 
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model)
         startup = summary(args, model_dir)
-    except (PrepareModelError, ValueError) as exc:
+        keys = load_keys(args, range(args.node_rank, args.node_rank + 1))
+    except (PrepareModelError, ValueError) as exc:  # CurveError too
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.node_rank == 0:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rendezvous_addr = f"tcp://{args.dist_init_addr}"
     try:
-        hosts = _rendezvous(args, rendezvous_addr, hello)
+        hosts = _rendezvous(args, rendezvous_addr, hello, keys)
     except (RendezvousError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -97,20 +99,26 @@ def main(argv: list[str] | None = None) -> int:
         group.start(stage_argv(args, args.node_rank, model_dir, hosts), log, inherit=log is None)
         if args.node_rank == 0:
             addrs = RingAddresses(args.nnodes, hosts=tuple(hosts), base_port=args.port)
-            return run_frontend(args, addrs, model_dir, startup.context_length, group)
+            return run_frontend(args, addrs, model_dir, startup.context_length, group, keys)
         return _supervise(group)
     finally:
         group.stop()
 
 
-def _rendezvous(args: argparse.Namespace, addr: str, hello: NodeHello) -> list[str]:
+def _rendezvous(
+    args: argparse.Namespace, addr: str, hello: NodeHello, keys: NodeKeys | None
+) -> list[str]:
+    to_node0 = keys and keys.client_of(0)
     if args.node_rank != 0:
-        return register(addr, hello, args.rendezvous_timeout)
+        return register(addr, hello, args.rendezvous_timeout, to_node0)
     result: dict[str, object] = {}
+    security = keys and keys.ring_server()
 
     def run() -> None:
         try:
-            result["hosts"] = serve_rendezvous(addr, args.nnodes, args.rendezvous_timeout, hello)
+            result["hosts"] = serve_rendezvous(
+                addr, args.nnodes, args.rendezvous_timeout, hello, security
+            )
         except RendezvousError as exc:
             result["error"] = exc
         except OSError as exc:
@@ -124,7 +132,7 @@ def _rendezvous(args: argparse.Namespace, addr: str, hello: NodeHello) -> list[s
     if "error" in result:
         raise result["error"]
     try:
-        hosts = register(addr, hello, args.rendezvous_timeout + 5)
+        hosts = register(addr, hello, args.rendezvous_timeout + 5, to_node0)
     except RendezvousError:
         thread.join(5)
         if "error" in result:

@@ -115,11 +115,17 @@ def main(argv: list[str] | None = None) -> int:
         run_id=args.run_id,
     )
 
+    from protocol.curve import CurveError, NodeKeys
     from ring.links import build_links
     from ring.loop import StageLoop
 
+    try:
+        keys = NodeKeys.load(args.curve_dir, cfg.rank, cfg.pp_size) if args.curve_dir else None
+    except CurveError as exc:
+        logger.error("[pp%d] %s", cfg.rank, exc)
+        return 2
     stage, model = build_stage(args, cfg)
-    links = build_links(cfg, addrs)
+    links = build_links(cfg, addrs, keys=keys)
     loop = StageLoop(cfg, stage, links, model)
     # SIGTERM/SIGINT: the launcher asks stage 0's frontend link for a graceful shutdown; a
     # signal straight to a stage process means "stop now", which the ring reports as an error.

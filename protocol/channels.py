@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from protocol.codec import decode, decode_many, encode
+from protocol.curve import Security, secure, watch_refusals
 from protocol.errors import ProtocolError
 from protocol.schema import Limits
 
@@ -85,11 +86,21 @@ class _Channel:
 
 
 def _open(
-    ctx: zmq.Context, kind: int, addr: str, bind: bool, options: dict[int, int] | None = None
+    ctx: zmq.Context,
+    kind: int,
+    addr: str,
+    bind: bool,
+    options: dict[int, int] | None = None,
+    security: Security = None,
 ) -> zmq.Socket:
+    """A socket of `kind`, bound or connected to `addr`; `security`: CURVE (protocol/curve.py)
+    or None for clear text."""
     sock = ctx.socket(kind)
     for option, value in (options or {}).items():
         sock.setsockopt(option, value)  # before bind/connect, so the pipes get them
+    secure(sock, security)
+    if bind:
+        watch_refusals(sock, security)
     try:
         if bind:
             sock.bind(addr)
@@ -105,10 +116,17 @@ def _open(
 class PushChannel(_Channel):
     """The sending end of a ring link. Connect it to the next stage's bound PullChannel."""
 
-    def __init__(self, addr: str, *, bind: bool = False, ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        bind: bool = False,
+        ctx: zmq.Context | None = None,
+        security: Security = None,
+    ) -> None:
         ctx = ctx or zmq.Context.instance()
         # No high-water mark: a send queues and returns; the ring bounds what is in flight.
-        sock = _open(ctx, zmq.PUSH, addr, bind, {zmq.SNDHWM: 0})
+        sock = _open(ctx, zmq.PUSH, addr, bind, {zmq.SNDHWM: 0}, security)
         super().__init__(sock, addr, Limits())
         self.queued: list[Any] = []  # frames of queued messages, sent as one by flush()
 
@@ -147,9 +165,11 @@ class PullChannel(_Channel):
         bind: bool = True,
         ctx: zmq.Context | None = None,
         limits: Limits | None = None,
+        security: Security = None,
     ) -> None:
         ctx = ctx or zmq.Context.instance()
-        super().__init__(_open(ctx, zmq.PULL, addr, bind), addr, limits or Limits())
+        sock = _open(ctx, zmq.PULL, addr, bind, security=security)
+        super().__init__(sock, addr, limits or Limits())
 
     def recv(self, timeout_s: float | None = None) -> Any:
         """The next message. Raises ChannelTimeout, or ProtocolError for a bad message (the
@@ -177,9 +197,10 @@ class RouterChannel(_Channel):
         *,
         ctx: zmq.Context | None = None,
         limits: Limits = CLIENT_LIMITS,
+        security: Security = None,
     ) -> None:
         ctx = ctx or zmq.Context.instance()
-        sock = _open(ctx, zmq.ROUTER, addr, bind=True)
+        sock = _open(ctx, zmq.ROUTER, addr, bind=True, security=security)
         # A reply to a client that has gone away is dropped, not an error.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         super().__init__(sock, addr, limits)
@@ -197,12 +218,22 @@ class DealerChannel(_Channel):
     """A blocking client's socket."""
 
     def __init__(
-        self, addr: str, *, ctx: zmq.Context | None = None, limits: Limits = CLIENT_LIMITS
+        self,
+        addr: str,
+        *,
+        ctx: zmq.Context | None = None,
+        limits: Limits = CLIENT_LIMITS,
+        security: Security = None,
     ) -> None:
         ctx = ctx or zmq.Context.instance()
-        super().__init__(_open(ctx, zmq.DEALER, addr, bind=False), addr, limits)
+        sock = _open(ctx, zmq.DEALER, addr, bind=False, security=security)
+        super().__init__(sock, addr, limits)
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: Any, timeout_s: float | None = None) -> None:
+        """Send `msg`; with `timeout_s`, raise ChannelTimeout if no peer takes it by then. (A
+        DEALER blocks while it has no connected peer, e.g. a CURVE server refusing it.)"""
+        if timeout_s is not None and not self.sock.poll(_timeout_ms(timeout_s), zmq.POLLOUT):
+            raise ChannelTimeout(f"cannot send to {self.addr} within {timeout_s:.3g} s")
         _send_frames(self.sock, encode(msg))
 
     def recv(self, timeout_s: float | None = None) -> Any:
@@ -220,9 +251,10 @@ class AsyncRouterChannel(_Channel):
         *,
         ctx: zmq.asyncio.Context | None = None,
         limits: Limits = CLIENT_LIMITS,
+        security: Security = None,
     ) -> None:
         ctx = ctx or zmq.asyncio.Context.instance()
-        sock = _open(ctx, zmq.ROUTER, addr, bind=True)
+        sock = _open(ctx, zmq.ROUTER, addr, bind=True, security=security)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         super().__init__(sock, addr, limits)
 
@@ -242,9 +274,11 @@ class AsyncDealerChannel(_Channel):
         *,
         ctx: zmq.asyncio.Context | None = None,
         limits: Limits = CLIENT_LIMITS,
+        security: Security = None,
     ) -> None:
         ctx = ctx or zmq.asyncio.Context.instance()
-        super().__init__(_open(ctx, zmq.DEALER, addr, bind=False), addr, limits)
+        sock = _open(ctx, zmq.DEALER, addr, bind=False, security=security)
+        super().__init__(sock, addr, limits)
 
     async def send(self, msg: Any) -> None:
         await self.sock.send_multipart(encode(msg), copy=False)

@@ -3,8 +3,10 @@
 Ports from `base_port` on one host per stage (node 0's host for the frontend):
 
     base_port       frontend ROUTER (clients connect here)
-    base_port + 1   frontend PULL   (stage 0 -> frontend: deltas, ring errors)
-    base_port + 2   stage 0 PULL    (frontend -> stage 0: new requests, aborts, shutdown)
+    base_port + 1   frontend PULL   (stage 0 -> frontend: deltas, ring errors), on loopback
+    base_port + 2   stage 0 PULL    (frontend -> stage 0: new requests, aborts, shutdown), on
+                    loopback: the frontend and stage 0 always share node 0, so these two never
+                    face a network
     base_port + 3+r stage r PULL    (stage r-1 -> stage r; stage S-1 -> stage 0 closes the ring)
 
 `inproc://` (threads in one process, for fast tests) and `ipc://` (processes on one host) use
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 # The frontend's port when none is given; the ring's other ports follow it (see above).
 DEFAULT_PORT = 30000
 DEFAULT_HTTP_PORT = 8000  # node 0's OpenAI-compatible API, vLLM's and SGLang's default
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,9 @@ class RingAddresses:
     def host(self, rank: int) -> str:
         return self.hosts[rank if len(self.hosts) > 1 else 0]
 
-    def _addr(self, rank: int, offset: int, name: str) -> str:
+    def _addr(self, rank: int, offset: int, name: str, host: str | None = None) -> str:
         if self.transport == "tcp":
-            return f"tcp://{self.host(rank)}:{self.base_port + offset}"
+            return f"tcp://{host or self.host(rank)}:{self.base_port + offset}"
         if self.transport == "ipc":
             return f"ipc:///tmp/{self.run_id}-{name}"
         return f"inproc://{self.run_id}-{name}"
@@ -50,10 +53,10 @@ class RingAddresses:
         return self._addr(0, 0, "frontend")
 
     def deltas(self) -> str:
-        return self._addr(0, 1, "deltas")
+        return self._addr(0, 1, "deltas", LOOPBACK)
 
     def intake(self) -> str:
-        return self._addr(0, 2, "intake")
+        return self._addr(0, 2, "intake", LOOPBACK)
 
     def stage(self, rank: int) -> str:
         """Where stage `rank` listens for its ring predecessor."""

@@ -32,7 +32,8 @@ class LocalServer:
         self.port = find_free_base_port(16)
         self.http_port = self.port + 15  # the ring takes the first few of the 16 ports
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
-        self.log = open(log_dir / f"local-{self.port}.log", "wb")  # noqa: SIM115
+        self.log_path = log_dir / f"local-{self.port}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -63,6 +64,10 @@ class LocalServer:
             readable, _, _ = select.select([self.proc.stdout], [], [], 0.5)
             if readable:
                 self.stdout += os.read(self.proc.stdout.fileno(), 65536)
+
+    def log_text(self) -> str:
+        """What the launcher and its stages wrote to stderr so far."""
+        return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -110,8 +110,35 @@ def test_a_rendezvous_that_waits_too_long_names_the_missing_ranks(nodes):
     assert "ranks [1] never registered" in nodes.text("n0")
 
 
+@pytest.mark.timeout(120)
+def test_a_node_whose_node0_is_gone_stops_within_the_ring_timeout(nodes):
+    """SIGKILL node 0's launcher (its stage dies with it): node 1's stage hears nothing, says
+    so, and node 1 exits non-zero within the ring timeout, not never."""
+    port = find_free_base_port(12)
+    rdv = f"127.0.0.1:{port + 10}"
+    sim = ["--stage-impl", "sim", "--ring-timeout", "4", "--heartbeat-interval", "0.5"]
+    node0 = nodes.start(serve_argv(0, 2, rdv, port, *sim), "n0")
+    node1 = nodes.start(serve_argv(1, 2, rdv, port, *sim), "n1")
+    nodes.wait_ready("n0", timeout_s=90)
+    node0.kill()
+    killed_at = time.monotonic()
+    assert node1.wait(30) != 0
+    assert time.monotonic() - killed_at < 4 + 5
+    log = nodes.text("n1")
+    assert "[pp1] heard nothing from stage 0 for 4 s" in log
+    assert "this node's stage exited with code 1" in log
+
+
 def run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+class Hosts(list):
+    """The namespaces of the three hosts, and `hub`, the one holding their bridge."""
+
+    def __init__(self, names: list[str], hub: str) -> None:
+        super().__init__(names)
+        self.hub = hub
 
 
 @pytest.fixture
@@ -138,38 +165,145 @@ def three_hosts():
             run("ip", "-n", hub, "link", "set", f"v{i}", "up")
             run("ip", "-n", name, "addr", "add", f"198.18.0.{i + 1}/24", "dev", "eth0")
             run("ip", "-n", name, "link", "set", "eth0", "up")
-        yield names
+        yield Hosts(names, hub)
     finally:
         for name in made:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
 
 
+CAPTURE = """
+import socket, sys, time
+# Every frame on the bridge's ports, raw (AF_PACKET, ETH_P_ALL, no interface bound: all of
+# the hub's), until the stop file appears. (br0 itself sees only frames addressed to it.)
+sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
+sock.settimeout(0.2)
+deadline = time.monotonic() + float(sys.argv[3])
+with open(sys.argv[1], "wb") as out:
+    while time.monotonic() < deadline:
+        try:
+            out.write(sock.recv(65535))
+        except socket.timeout:
+            import os
+            if os.path.exists(sys.argv[2]):
+                break
+"""
+
+CLIENT = """
+import json, sys
+from launch.client import Client, FrontendUnreachable
+from protocol.curve import CurveClient, client_keys, load_pair
+addr, prompts, keys = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+security = client_keys(keys + "/node0.key", keys + "/clients/alice.key_secret") if keys else None
+with Client(addr, security=security) as c:
+    out = {p: c.complete(p, max_new_tokens=32, temperature=0).token_ids for p in prompts}
+if keys:  # the intruders: each is refused, fast, and the ring serves on
+    mallory = CurveClient(load_pair(keys + "/../mallory/mallory.key_secret"), security.server_key)
+    for intruder in (None, mallory):
+        try:
+            with Client(addr, security=intruder, connect_timeout_s=2.0) as c:
+                c.complete("intruder", max_new_tokens=2)
+            out["intruder"] = "served"
+        except FrontendUnreachable:
+            out.setdefault("refused", []).append(intruder is not None)
+    with Client(addr, security=security) as c:
+        out["after"] = c.complete(prompts[0], max_new_tokens=32, temperature=0).token_ids
+print(json.dumps(out))
+"""
+
+ROGUE_STAGE = """
+import sys, time
+from protocol.channels import PushChannel
+from protocol.curve import CurveClient, load_pair, load_public
+from protocol.messages import RingError
+addr, keys = sys.argv[1], sys.argv[2]
+# A well-formed ring error would take the ring down if anything let it in.
+stranger = CurveClient(load_pair(keys + "/../mallory/mallory.key_secret"),
+                       load_public(keys + "/node1.key"))
+for security in (None, stranger):
+    link = PushChannel(addr, security=security)
+    link.send(RingError(rank=0, message="rogue stage says the ring is down"))
+    time.sleep(1.0)
+    link.close(0)
+"""
+
+
+def _netns(names: list[str], rank: int, *argv: str, timeout: float = 300):
+    return subprocess.run(
+        ["ip", "netns", "exec", names[rank], sys.executable, "-c", *argv],
+        capture_output=True, text=True, timeout=timeout, env=ENV,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def curve_keys(tmp_path_factory):
+    from protocol.curve import keygen
+
+    root = tmp_path_factory.mktemp("curve")
+    for rank in range(3):  # one folder for the three "hosts": each uses only its own secret
+        keygen(root / "ring", f"node{rank}")
+    keygen(root / "ring" / "clients", "alice")
+    keygen(root / "mallory", "mallory")
+    return root / "ring"
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("node0_first", [False, True])
-def test_three_hosts_serve_the_same_greedy_tokens(nodes, three_hosts, hf_greedy, node0_first):
+@pytest.mark.parametrize("node0_first, curve", [(False, False), (True, True)])
+def test_three_hosts_serve_the_same_greedy_tokens(
+    nodes, three_hosts, hf_greedy, node0_first, curve, curve_keys, tmp_path
+):
+    """In clear text and with CURVE. The client runs on host 3 (node 2's namespace), so its
+    requests cross the bridge, where a capture sees the prompt in clear text only without
+    CURVE (the clear run is the capture's own check). With CURVE, a client with no key, a
+    client with an unknown key, and a rogue "stage" with no key or an unknown key (sending a
+    ring error that would take the ring down) are refused, and the ring serves on."""
+    import json
+
     port = 31000
     rdv = f"198.18.0.1:{port + 20}"
     order = [0, 1, 2] if node0_first else [2, 1, 0]
+    secure = ["--curve-dir", str(curve_keys)] if curve else []
     for rank in order:
-        argv = serve_argv(rank, 3, rdv, port, "--host", f"198.18.0.{rank + 1}")
+        argv = serve_argv(rank, 3, rdv, port, "--host", f"198.18.0.{rank + 1}", *secure)
         nodes.start(argv, f"n{rank}", prefix=["ip", "netns", "exec", three_hosts[rank]])
         time.sleep(1.0)
     nodes.wait_ready("n0")
-    script = (
-        "import json, sys; from launch.client import Client\n"
-        f"c = Client('tcp://198.18.0.1:{port}')\n"
-        "out = {p: c.complete(p, max_new_tokens=32, temperature=0).token_ids "
-        "for p in json.loads(sys.argv[1])}\n"
-        "print(json.dumps(out))\n"
-    )
-    import json
-
-    client = subprocess.run(
-        ["ip", "netns", "exec", three_hosts[0], sys.executable, "-c", script,
-         json.dumps(PROMPTS[:3])],
-        capture_output=True, text=True, timeout=300, env=ENV,
+    capture, stop = tmp_path / "bridge.pcap", tmp_path / "stop"
+    sniffer = subprocess.Popen(
+        ["ip", "netns", "exec", three_hosts.hub, sys.executable, "-c", CAPTURE, str(capture),
+         str(stop), "400"],
     )  # fmt: skip
-    assert client.returncode == 0, client.stderr
+    try:
+        time.sleep(1.0)
+        keys = str(curve_keys) if curve else ""
+        client = _netns(three_hosts, 2, CLIENT, f"tcp://198.18.0.1:{port}",
+                        json.dumps(PROMPTS[:3]), keys)  # fmt: skip
+        assert client.returncode == 0, client.stderr
+        if curve:
+            rogue = _netns(three_hosts, 2, ROGUE_STAGE, f"tcp://198.18.0.2:{port + 4}", keys)
+            assert rogue.returncode == 0, rogue.stderr
+    finally:
+        stop.touch()
+        sniffer.wait(30)
     got = json.loads(client.stdout)
     for prompt in PROMPTS[:3]:
         assert got[prompt] == hf_greedy[prompt], prompt
+    seen = capture.read_bytes()
+    assert len(seen) > 10_000  # the capture saw the traffic
+    prompt_on_wire = PROMPTS[0].encode() in seen
+    assert prompt_on_wire != curve  # in clear text without CURVE, never with it
+    if not curve:
+        assert f"binds tcp://198.18.0.1:{port} in clear text" in nodes.text("n0")
+    if curve:
+        assert got["refused"] == [False, True] and "intruder" not in got
+        assert got["after"] == hf_greedy[PROMPTS[0]]  # still serving
+        log0, log1 = nodes.text("n0"), nodes.text("n1")
+        # each refused peer is logged (its address where ZeroMQ reports it: the unknown keys)
+        assert f"refused a connection to tcp://198.18.0.1:{port} from" in log0
+        assert "refused a clients connection from 198.18.0.3" in log0
+        assert f"refused a connection to tcp://198.18.0.2:{port + 4} from" in log1
+        assert "refused a ring connection from 198.18.0.3" in log1
+        # the ring is still up after the rogue stage: one more request is served
+        again = _netns(three_hosts, 2, CLIENT, f"tcp://198.18.0.1:{port}",
+                       json.dumps(PROMPTS[:1]), keys)  # fmt: skip
+        assert again.returncode == 0, again.stderr
+        assert json.loads(again.stdout)[PROMPTS[0]] == hf_greedy[PROMPTS[0]]

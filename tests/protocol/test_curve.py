@@ -1,0 +1,138 @@
+"""CURVE on the wire (protocol/curve.py): known keys get through encrypted; a peer with no key
+or an unknown key is refused inside ZeroMQ, logged once with its address, and nothing it sends
+reaches the receiver."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import zmq
+
+from protocol.channels import DealerChannel, PullChannel, PushChannel, RouterChannel
+from protocol.curve import (
+    CurveError,
+    NodeKeys,
+    is_loopback,
+    keygen,
+    load_pair,
+    warn_if_exposed,
+)
+from protocol.messages import Ping, Pong
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+
+
+@pytest.fixture
+def ring_keys(tmp_path):
+    """A two-node key folder, one client (alice) admitted, one (mallory) not."""
+    for rank in range(2):
+        keygen(tmp_path / "keys", f"node{rank}")
+    keygen(tmp_path / "keys" / "clients", "alice")
+    keygen(tmp_path / "outsider", "mallory")
+    return tmp_path
+
+
+def _bound(channel) -> str:
+    return channel.addr  # the port the OS picked
+
+
+def test_a_ring_link_carries_messages_between_known_nodes(ring_keys):
+    node0 = NodeKeys.load(ring_keys / "keys", 0, 2)
+    node1 = NodeKeys.load(ring_keys / "keys", 1, 2)
+    pull = PullChannel("tcp://127.0.0.1:*", security=node1.ring_server())
+    push = PushChannel(_bound(pull), security=node0.client_of(1))
+    try:
+        push.send(Ping(rid="through"))
+        assert pull.recv(timeout_s=5) == Ping(rid="through")
+    finally:
+        push.close(0)
+        pull.close(0)
+
+
+def test_no_key_and_an_unknown_key_are_refused_and_logged_once(ring_keys, caplog):
+    node1 = NodeKeys.load(ring_keys / "keys", 1, 2)
+    mallory = load_pair(ring_keys / "outsider" / "mallory.key_secret")
+    pull = PullChannel("tcp://127.0.0.1:*", security=node1.ring_server())
+    from protocol.curve import CurveClient
+
+    senders = [
+        PushChannel(_bound(pull)),  # no CURVE at all
+        PushChannel(_bound(pull)),  # twice: logged once
+        PushChannel(_bound(pull), security=CurveClient(mallory, node1.pair.public)),
+        PushChannel(_bound(pull), security=CurveClient(mallory, node1.pair.public)),
+    ]
+    try:
+        with caplog.at_level(logging.WARNING, logger="protocol.curve"):
+            for sender in senders:
+                sender.sock.send(b"x")  # raw: the handshake fails before any byte is read
+            deadline = time.monotonic() + 5
+            while len(caplog.records) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # a duplicate would come in this time
+            assert not pull.poll(0.2)  # nothing reached the receiver
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 2, messages
+        assert any(
+            f"to {_bound(pull)} from" in m and "did not complete a CURVE handshake" in m
+            for m in messages
+        )
+        assert any(
+            "is not admitted" in m and "127.0.0.1" in m and mallory.public.decode() in m
+            for m in messages
+        )
+    finally:
+        for sender in senders:
+            sender.close(0)
+        pull.close(0)
+
+
+def test_the_client_domain_admits_clients_and_the_ring_domain_does_not(ring_keys):
+    node0 = NodeKeys.load(ring_keys / "keys", 0, 2)
+    alice = load_pair(ring_keys / "keys" / "clients" / "alice.key_secret")
+    from protocol.curve import CurveClient
+
+    as_alice = CurveClient(alice, node0.pair.public)
+    frontend = RouterChannel("tcp://127.0.0.1:*", security=node0.clients_server())
+    rendezvous = RouterChannel("tcp://127.0.0.1:*", security=node0.ring_server())
+    to_frontend = DealerChannel(_bound(frontend), security=as_alice)
+    to_rendezvous = DealerChannel(_bound(rendezvous), security=as_alice)
+    try:
+        to_frontend.send(Ping(rid="a"))
+        identity, msg = frontend.recv(timeout_s=5)
+        assert msg == Ping(rid="a")
+        frontend.send(identity, Pong(rid="a"))
+        assert to_frontend.recv(timeout_s=5) == Pong(rid="a")
+        to_rendezvous.send(Ping(rid="b"))  # a client key is not a node key
+        with pytest.raises(TimeoutError):
+            rendezvous.recv(timeout_s=1.0)
+    finally:
+        for channel in (to_frontend, to_rendezvous, frontend, rendezvous):
+            channel.close(0)
+
+
+def test_node_keys_name_what_is_missing(tmp_path):
+    keygen(tmp_path, "node0")
+    with pytest.raises(CurveError, match=r"node1.key_secret is missing.*ppring keygen"):
+        NodeKeys.load(tmp_path, 1, 2)
+    with pytest.raises(CurveError, match=r"lacks the public keys of nodes \[1\]"):
+        NodeKeys.load(tmp_path, 0, 2)
+    with pytest.raises(CurveError, match="is not a folder"):
+        NodeKeys.load(tmp_path / "nowhere", 0, 1)
+    with pytest.raises(CurveError, match="exists"):
+        keygen(tmp_path, "node0")  # never overwrites a pair
+    assert (tmp_path / "node0.key_secret").stat().st_mode & 0o077 == 0
+
+
+def test_binding_beyond_loopback_in_clear_warns(caplog):
+    assert is_loopback("tcp://127.0.0.1:5") and is_loopback("inproc://x")
+    assert is_loopback("tcp://[::1]:5") and is_loopback("tcp://localhost:5")
+    assert not is_loopback("tcp://198.18.0.1:5") and not is_loopback("tcp://*:5")
+    with caplog.at_level(logging.WARNING, logger="protocol.curve"):
+        warn_if_exposed("tcp://127.0.0.1:5", None, "x")
+        assert not caplog.records
+        warn_if_exposed("tcp://0.0.0.0:5", None, "the rendezvous")
+    (record,) = caplog.records
+    assert "the rendezvous binds tcp://0.0.0.0:5 in clear text" in record.getMessage()
+    assert "--curve-dir" in record.getMessage()
