@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test lint demo soak bench-codec bench-ring bench-serve bench-step clean
+.PHONY: setup test test-long lint demo soak bench-codec bench-ring bench-serve bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ lint: setup
 
 test: lint
 	$(BIN)/pytest
+
+# The long variants (marked `long`): e.g. a PP=3 ring of the default model losing a stage
+# twice, against transformers. make test runs a short form of each.
+test-long: setup
+	$(BIN)/ppring prepare-model
+	$(BIN)/pytest -m long -s -p no:cacheprovider
 
 # Prepares the default model (once), starts a 2-stage ring, streams one answer, stops it.
 demo: setup

@@ -17,6 +17,7 @@ down (a stage reports an error, or the launcher sees a stage die), every request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -45,6 +46,7 @@ from protocol.messages import (
     StopServing,
     Submit,
 )
+from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from launch.metrics import FrontendMetrics
@@ -54,20 +56,43 @@ logger = logging.getLogger(__name__)
 
 # Where one request's answers go: the ZeroMQ client's socket, or an HTTP handler's queue.
 Sink = Callable[[Chunk | Done | Error], Awaitable[None]]
+# New requests that may wait while the ring re-forms; beyond them, `overloaded`.
+MAX_HELD_REQUESTS = 256
 
 
 @dataclass
 class Inflight:
     sink: Sink
     client_rid: str
-    num_prompt_tokens: int
+    input_ids: list[int]  # the prompt's
+    sampling: SamplingParams
     detok: IncrementalDetokenizer
     want_logprobs: bool
     arrived: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # sent to the client so far
     stopped_by_string: bool = False
+    sent_to_ring: bool = False  # False: held while the ring re-forms
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def replay(self, rid: str) -> NewRequest | None:
+        """The request as a re-formed ring must see it so that it continues where it stopped:
+        its prompt plus the tokens already sent as the prompt, the rest of max_new_tokens, the
+        same sampling (a seeded draw depends on (seed, position) only, so it repeats). None:
+        nothing is left to generate."""
+        remaining = self.sampling.max_new_tokens - self.num_tokens
+        if remaining <= 0:
+            return None
+        sampling = dataclasses.replace(self.sampling, max_new_tokens=remaining)
+        return NewRequest(rid, self.input_ids + self.token_ids, sampling)
 
 
 class Frontend:
@@ -81,6 +106,7 @@ class Frontend:
         context_length: int,
         metrics: FrontendMetrics | None = None,
         security: CurveServer | None = None,
+        max_held_requests: int = MAX_HELD_REQUESTS,
     ) -> None:
         """`security`: CURVE for the client socket (protocol/curve.py); None: clear text, with
         a warning when `client_addr` is reachable from other hosts."""
@@ -99,6 +125,14 @@ class Frontend:
         self.num_kv_blocks = 0  # what the ring agreed, once ready
         self.stopped = asyncio.Event()
         self.num_bad_messages = 0
+        # Re-forming (launch/local.py restarts the ring after a stage died): the ring's epoch,
+        # whether a failure may wait for a re-formed ring instead of failing every request, the
+        # failure the launcher is to act on, and since when the ring is down.
+        self.epoch = 0
+        self.restartable = False
+        self.ring_failure: str | None = None
+        self.down_since: float | None = None
+        self.max_held_requests = max_held_requests
 
     @property
     def addr(self) -> str:
@@ -180,6 +214,16 @@ class Frontend:
         if self.ring_error is not None:
             await sink(Error(req.rid, "ring_down", self.ring_error))
             return
+        if self.down_since is not None and self._num_held() >= self.max_held_requests:
+            await sink(
+                Error(
+                    req.rid,
+                    "overloaded",
+                    f"the ring is re-forming and {self.max_held_requests} requests already wait "
+                    "for it: try again in a few seconds",
+                )
+            )
+            return
         input_ids = self.tokenize(req)
         total = len(input_ids) + req.sampling.max_new_tokens
         if total > self.context_length:
@@ -188,16 +232,20 @@ class Frontend:
                 f"({req.sampling.max_new_tokens}) is {total} tokens, beyond the context length "
                 f"{self.context_length}"
             )
-        self.inflight[rid] = Inflight(
+        request = Inflight(
             sink,
             req.rid,
-            len(input_ids),
+            input_ids,
+            req.sampling,
             IncrementalDetokenizer(self.tokenizer, req.stop, input_ids),
             req.sampling.logprobs,
         )
+        self.inflight[rid] = request
         if self.metrics is not None:
             self.metrics.request_started(len(input_ids))
-        self._to_ring(new=[NewRequest(rid, input_ids, req.sampling)])
+        if self.down_since is None:  # else it waits for the re-formed ring
+            request.sent_to_ring = True
+            self._to_ring(new=[NewRequest(rid, input_ids, req.sampling)])
 
     def tokenize(self, req: Generate) -> list[int]:
         """The token ids of a request: its ids, its prompt, or its messages in the chat template.
@@ -224,13 +272,18 @@ class Frontend:
 
     def abort(self, rid: str) -> None:
         """Abort request `rid` in the ring (its answer is a Done with finish reason abort)."""
-        if rid in self.inflight:
+        if rid not in self.inflight:
+            return
+        if self.down_since is None:
             self._to_ring(aborts=[rid])  # the ring answers with a finish, which sends `done`
+        else:  # no ring holds it now: finish it here
+            asyncio.ensure_future(self._finish(rid, "abort", time.monotonic()))
 
     def _to_ring(
         self, new: list[NewRequest] | None = None, aborts: list[str] | None = None
     ) -> None:
-        self.intake.send(Submit(seq=self.next_seq, new=new or [], aborts=aborts or []))
+        submit = Submit(self.next_seq, new or [], aborts or [], epoch=self.epoch)
+        self.intake.send(submit)
         self.next_seq += 1
 
     # -- the ring -------------------------------------------------------------------------------
@@ -242,14 +295,18 @@ class Frontend:
             except ProtocolError as exc:
                 logger.warning("dropped a bad message from stage 0: %s", exc)
                 continue
-            if isinstance(msg, Deltas):
+            if getattr(msg, "epoch", self.epoch) != self.epoch:
+                logger.info("dropped a stale %s of ring epoch %d", msg.kind, msg.epoch)
+            elif isinstance(msg, Deltas):
                 for delta in msg.deltas:
                     await self._apply(delta)
             elif isinstance(msg, RingReady):
                 self.num_kv_blocks = msg.num_kv_blocks
+                if self.down_since is not None:
+                    self._replay()
                 self.ring_ready.set()
             elif isinstance(msg, RingError):
-                self.ring_down(msg.message or "a stage failed")
+                self._ring_failed(msg.message or "a stage failed")
             elif isinstance(msg, StageStats):
                 if self.metrics is not None:
                     self.metrics.stage_report(msg)
@@ -257,13 +314,68 @@ class Frontend:
                 logger.info("the ring shut down")
                 self.ring_down("the ring shut down", quiet=True)
 
+    # -- re-forming ---------------------------------------------------------------------------
+
+    def _ring_failed(self, reason: str) -> None:
+        """A stage reported the ring cannot go on. Where the launcher may re-form it, requests
+        wait for that (the launcher reads `ring_failure`); otherwise every one fails now."""
+        if self.restartable:
+            self.ring_failure = self.ring_failure or reason
+        else:
+            self.ring_down(reason)
+
+    def reform(self, epoch: int, reason: str) -> None:
+        """The launcher is starting ring `epoch` in place of one that failed: hold what comes
+        until it is ready, then replay every request in flight (see `Inflight.replay`)."""
+        self.epoch = epoch
+        self.ring_failure = None
+        self.down_since = self.down_since or time.monotonic()
+        self.ring_ready.clear()
+        for request in self.inflight.values():
+            request.sent_to_ring = False
+        logger.warning(
+            "the ring is re-forming (epoch %d) after: %s; %d requests wait for it",
+            epoch,
+            reason,
+            len(self.inflight),
+        )
+
+    def _replay(self) -> None:
+        new: list[NewRequest] = []
+        for rid, request in list(self.inflight.items()):
+            replay = request.replay(rid)
+            if replay is None:
+                asyncio.ensure_future(self._finish(rid, "length", time.monotonic()))
+            else:
+                new.append(replay)
+                request.sent_to_ring = True
+        down_s = time.monotonic() - (self.down_since or time.monotonic())
+        self.down_since = None
+        replayed_tokens = sum(len(r.input_ids) for r in new)
+        logger.warning(
+            "the ring re-formed (epoch %d) after %.1f s down: replaying %d requests (%d prompt "
+            "tokens, of which %d already sent)",
+            self.epoch,
+            down_s,
+            len(new),
+            replayed_tokens,
+            sum(self.inflight[r.rid].num_tokens for r in new),
+        )
+        if self.metrics is not None:
+            self.metrics.ring_reformed(down_s, len(new), replayed_tokens)
+        if new:
+            self._to_ring(new=new)
+
+    def _num_held(self) -> int:
+        return sum(not request.sent_to_ring for request in self.inflight.values())
+
     async def _apply(self, delta: RequestDelta) -> None:
         req = self.inflight.get(delta.rid)
         if req is None:
             return  # e.g. finished here by a stop string; the ring's abort answer comes later
         now = time.monotonic()
         if delta.token_id is not None:
-            req.num_tokens += 1
+            req.token_ids.append(delta.token_id)
             if self.metrics is not None:
                 previous = req.last_token_at
                 first = None if previous is not None else now - req.arrived

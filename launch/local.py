@@ -40,8 +40,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="where clients connect")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the frontend's port")
     parser.add_argument("--log-dir", type=Path, default=None, help="stage logs (default stderr)")
+    parser.add_argument(
+        "--max-stage-restarts",
+        type=int,
+        default=3,
+        help="re-form the ring this many times after a stage dies, replaying the requests in "
+        "flight (0: a dead stage fails every request, as vLLM and SGLang do)",
+    )
+    parser.add_argument(
+        "--stage-restart-window", type=float, default=600.0, help="seconds the limit counts over"
+    )
     add_http_args(parser)
     args = parser.parse_args(argv)
+    if args.max_stage_restarts < 0:
+        parser.error("--max-stage-restarts must be at least 0")
     if args.threads_per_stage is None:
         # Stages share this machine's cores; OpenMP pools that oversubscribe slow every op.
         args.threads_per_stage = max(1, (os.cpu_count() or 1) // args.pp_size)
@@ -60,12 +72,16 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
 
 
 def stage_argv(
-    args: argparse.Namespace, rank: int, model_dir: Path, ring_hosts: list[str] | None = None
+    args: argparse.Namespace,
+    rank: int,
+    model_dir: Path,
+    ring_hosts: list[str] | None = None,
+    epoch: int = 0,
 ) -> list[str]:
     argv = [
         sys.executable, "-m", "launch.stage", "--rank", str(rank),
         "--host", args.host, "--port", str(args.port), "--transport", "tcp",
-        *flag_argv(args, model=model_dir),
+        *flag_argv(args, model=model_dir, ring_epoch=epoch),
     ]  # fmt: skip
     if ring_hosts:
         argv += ["--ring-hosts", ",".join(ring_hosts)]
@@ -159,18 +175,60 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
     addrs = RingAddresses(args.pp_size, hosts=(args.host,), base_port=args.port)
     group = ProcessGroup()
+    restarter = Restarter(args, model_dir, group)
     try:
-        for rank in range(args.pp_size):
-            log = args.log_dir / f"stage{rank}.log" if args.log_dir else None
-            if args.log_dir:
-                args.log_dir.mkdir(parents=True, exist_ok=True)
-            group.start(stage_argv(args, rank, model_dir), log, inherit=log is None)
-        return run_frontend(args, addrs, model_dir, startup.context_length, group, keys)
+        restarter.start_stages(epoch=0)
+        return run_frontend(args, addrs, model_dir, startup.context_length, group, keys, restarter)
     except OSError as exc:  # e.g. the port is taken
         print(f"error: {exc}; pick another --port", file=sys.stderr)
         return 2
     finally:
         group.stop()
+
+
+class Restarter:
+    """`ppring local`'s stages, started again as a new ring epoch when one dies or the ring
+    reports a failure: at most --max-stage-restarts times within --stage-restart-window
+    seconds, then the ring fails as it would without restarts. Every stage is started again
+    (same ranks, same layers): the survivors' KV caches and schedulers held the lost ring's
+    state, and new processes start from nothing, so no stale state or message survives; the
+    frontend replays the requests in flight (launch/frontend.py)."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, group: ProcessGroup) -> None:
+        self.args, self.model_dir, self.group = args, model_dir, group
+        self.limit, self.window_s = args.max_stage_restarts, args.stage_restart_window
+        self.restarted_at: list[float] = []
+        self.epoch = 0
+
+    def can_restart(self, now: float) -> bool:
+        self.restarted_at = [t for t in self.restarted_at if now - t < self.window_s]
+        return len(self.restarted_at) < self.limit
+
+    def start_stages(self, epoch: int) -> None:
+        """Every stage, from this (the main) thread: a stage dies with the thread that
+        started it (launch/stage.py)."""
+        self.epoch = epoch
+        for rank in range(self.args.pp_size):
+            log = self.args.log_dir / f"stage{rank}.log" if self.args.log_dir else None
+            if log:
+                self.args.log_dir.mkdir(parents=True, exist_ok=True)
+            argv = stage_argv(self.args, rank, self.model_dir, epoch=epoch)
+            self.group.start(argv, log, inherit=log is None)
+
+    def restart(self, now: float) -> int:
+        """Stop what is left of the ring and start it again as the next epoch."""
+        self.restarted_at.append(now)
+        self.group.stop(grace_s=3.0)
+        self.group.procs.clear()
+        self.start_stages(self.epoch + 1)
+        return self.epoch
+
+    def give_up_reason(self) -> str:
+        n = len(self.restarted_at)
+        return (
+            f"the ring was re-formed {n} time{'s' if n != 1 else ''} within "
+            f"{self.window_s:.0f} s (--max-stage-restarts {self.limit}); not again"
+        )
 
 
 def run_frontend(
@@ -180,6 +238,7 @@ def run_frontend(
     context_length: int,
     group: ProcessGroup,
     keys: NodeKeys | None = None,
+    restarter: Restarter | None = None,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -191,7 +250,9 @@ def run_frontend(
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         pass
     model_name = args.served_model_name or model_dir.name
-    return asyncio.run(_serve(args, addrs, tokenizer, context_length, model_name, group, keys))
+    return asyncio.run(
+        _serve(args, addrs, tokenizer, context_length, model_name, group, keys, restarter)
+    )
 
 
 def _open_frontend(
@@ -241,6 +302,7 @@ async def _serve(
     model_name: str,
     group: ProcessGroup,
     keys: NodeKeys | None,
+    restarter: Restarter | None,
 ) -> int:
     try:
         frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name, keys)
@@ -280,10 +342,22 @@ async def _serve(
                 frontend.ring_down("the ring was not ready in time")
                 exit_code = 1
                 break
+            now = time.monotonic()
+            if restarter is not None:
+                frontend.restartable = restarter.can_restart(now)
             dead = group.poll_dead()
-            if dead and not stopping:
+            failure = frontend.ring_failure
+            if dead:
                 rank = group.procs.index(dead[0])
-                frontend.ring_down(f"stage {rank} exited with code {dead[0].returncode}")
+                failure = f"stage {rank} exited with code {dead[0].returncode}"
+            if failure and not stopping:
+                if restarter is not None and restarter.can_restart(now):
+                    frontend.reform(restarter.epoch + 1, failure)
+                    restarter.restart(now)
+                    continue
+                if restarter is not None:
+                    failure += f"; {restarter.give_up_reason()}"
+                frontend.ring_down(failure)
                 exit_code = 1
                 break
             if stopping and len(dead) == len(group.procs):

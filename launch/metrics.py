@@ -62,10 +62,36 @@ class FrontendMetrics:
             labels,
             registry=self.registry,
         )
-        for metric in (self.prompt_tokens, self.generation_tokens, self.inflight):
+        # A stage that died and the ring that re-formed without it (launch/local.py).
+        self.ring_restarts = counter("ring_restarts", "Times the ring re-formed after a failure.")
+        self.replayed_requests = counter(
+            "replayed_requests", "Requests resubmitted to a re-formed ring."
+        )
+        self.replayed_prompt_tokens = counter(
+            "replayed_prompt_tokens",
+            "Tokens resubmitted as prompts to a re-formed ring (prompt and tokens already sent).",
+        )
+        self.ring_down_seconds = counter(
+            "ring_down_seconds", "Time from a stage failing to its ring serving again."
+        )
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.inflight,
+            self.ring_restarts,
+            self.replayed_requests,
+            self.replayed_prompt_tokens,
+            self.ring_down_seconds,
+        ):
             metric.labels(**self.model)  # present (at 0) before the first request
         self.stages = StageMetrics(self.registry, labels)
         self.last_reports: dict[int, StageStats] = {}
+
+    def ring_reformed(self, down_s: float, num_requests: int, num_tokens: int) -> None:
+        self.ring_restarts.labels(**self.model).inc()
+        self.ring_down_seconds.labels(**self.model).inc(down_s)
+        self.replayed_requests.labels(**self.model).inc(num_requests)
+        self.replayed_prompt_tokens.labels(**self.model).inc(num_tokens)
 
     def request_started(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.labels(**self.model).inc(num_prompt_tokens)

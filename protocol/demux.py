@@ -31,9 +31,12 @@ class SequenceError(ProtocolError):
 
 
 class DemuxReceiver:
-    def __init__(self, channel: PullChannel, loop_size: int | None = None) -> None:
+    def __init__(self, channel: PullChannel, loop_size: int | None = None, epoch: int = 0) -> None:
+        """`epoch`: this ring's incarnation; a ring message of another is dropped and logged
+        (one from before the ring re-formed)."""
         self.channel = channel
         self.loop_size = loop_size
+        self.epoch = epoch
         self.stash: dict[str, deque[Any]] = {kind: deque() for kind in ALL_KINDS}
         self.next_step: dict[str, int] = {kind: 0 for kind in SEQUENCED_KINDS}
         self.num_dropped = 0
@@ -101,10 +104,23 @@ class DemuxReceiver:
             self.num_dropped += 1
             logger.warning("dropped a bad message on %s: %s", self.channel.addr, exc)
             return []
+        fresh = []
         for msg in msgs:
+            if getattr(msg, "epoch", self.epoch) != self.epoch:
+                self.num_dropped += 1
+                logger.warning(
+                    "dropped a stale %s (step %s) of ring epoch %d on %s: this ring is epoch %d",
+                    msg.kind,
+                    getattr(msg, "step", "-"),
+                    msg.epoch,
+                    self.channel.addr,
+                    self.epoch,
+                )
+                continue
             if msg.kind in self.next_step:
                 self._check_sequence(msg)
-        return msgs
+            fresh.append(msg)
+        return fresh
 
     def _check_sequence(self, msg: Any) -> None:
         expected = self.next_step[msg.kind]

@@ -60,6 +60,7 @@ class Reqs:
     step: int
     new: list[NewRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    epoch: int = 0  # the ring's incarnation (RingConfig.epoch): older ones are dropped
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Proxy:
     digest: str  # the sender's digest of the batch decision; the receiver must compute the same
     hidden_states: Tensor  # [T, d]
     residual: Tensor  # [T, d]; the un-added residual of the fused add+RMSNorm (DESIGN.md §3)
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Output:
     digest: str
     token_ids: list[int]  # one per sampled row, in batch order
     logprobs: list[float] | None = None
+    epoch: int = 0
 
 
 class Control:
@@ -115,6 +118,7 @@ class RingReady(Control):
     op: ClassVar[str] = "ready"
     rank: int
     num_kv_blocks: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class RingError(Control):
     op: ClassVar[str] = "error"
     rank: int
     message: str
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,7 @@ class Submit:
     seq: int
     new: list[NewRequest] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    epoch: int = 0  # the ring it was meant for: a re-formed ring drops the older ones
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,7 @@ class Deltas:
     kind: ClassVar[str] = "deltas"
     step: int
     deltas: list[RequestDelta]
+    epoch: int = 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ class RingConfig:
     # that hears nothing for `ring_timeout_s` declares the ring down.
     heartbeat_interval_s: float = 1.0
     ring_timeout_s: float = 30.0
+    # The ring's incarnation: 0 at start, one more each time the launcher re-forms it after a
+    # stage died. Every ring message carries it; one from an older ring is dropped and logged.
+    epoch: int = 0
     # Fault injection for tests: (what, rank, step). "diverge": that rank drops the last
     # request of its decision at that step; "drop": that rank does not send its proxy.
     debug_fault: tuple[str, int, int] | None = None
@@ -37,6 +40,8 @@ class RingConfig:
             raise ValueError("--max-running-requests must be at least 1")
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be at least 1")
+        if self.epoch < 0:
+            raise ValueError("--ring-epoch must be at least 0")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be at least 1")
 

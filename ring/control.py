@@ -78,7 +78,7 @@ class RingControl:
         if self.cfg.is_first_stage:
             self.links.next.send(mine)
             agreed = self.wait(StageHello).num_kv_blocks  # the minimum, once round
-            self.links.next.send(RingReady(rank=0, num_kv_blocks=agreed))
+            self.links.next.send(RingReady(0, agreed, epoch=self.cfg.epoch))
             self.wait(RingReady)
             return agreed
         hello = self.wait(StageHello)
@@ -216,7 +216,7 @@ class RingControl:
             logger.error("%s", message)
         else:
             logger.error("%s stopping: stage %d reported: %s", self.prefix, origin, message)
-        msg = RingError(rank=origin, message=message)
+        msg = RingError(rank=origin, message=message, epoch=self.cfg.epoch)
         targets = [self.links.deltas]
         if (self.cfg.rank + 1) % self.cfg.pp_size != origin:
             targets.append(self.links.next)

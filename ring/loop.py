@@ -61,7 +61,7 @@ class StageLoop:
     def __post_init__(self) -> None:
         self.prefix = f"[pp{self.cfg.rank}]"
         prev = self.links.prev
-        self.receiver = DemuxReceiver(prev, self.cfg.pp_loop_size) if prev else None
+        self.receiver = DemuxReceiver(prev, self.cfg.pp_loop_size, self.cfg.epoch) if prev else None
         self.control = RingControl(self.cfg, self.links, self.receiver)
         self.head, self.tail = build_roles(self.cfg, self.links, self.control, self.stats)
         self.scheduler: Scheduler | None = None  # built by the handshake

@@ -75,6 +75,14 @@ class FrontendHead:
         while (msg := self._next_intake(may_block and not (new or aborts), sched)) is not None:
             if isinstance(msg, StopServing):
                 self.shutting_down = True
+            elif isinstance(msg, Submit) and msg.epoch != self.cfg.epoch:
+                # Queued for the ring before this one (the frontend replays what it held).
+                logger.warning(
+                    "[pp0] dropped a stale submit (seq %d) of ring epoch %d: this ring is epoch %d",
+                    msg.seq,
+                    msg.epoch,
+                    self.cfg.epoch,
+                )
             elif isinstance(msg, Submit):
                 new += msg.new
                 aborts += msg.aborts
@@ -87,7 +95,7 @@ class FrontendHead:
             if may_block and sched.is_idle() and not new:
                 self.control.shutdown_ring(step)
                 return None
-        reqs = Reqs(slot=step % self.cfg.pp_loop_size, step=step, new=new, aborts=aborts)
+        reqs = Reqs(step % self.cfg.pp_loop_size, step, new, aborts, epoch=self.cfg.epoch)
         if self.cfg.pp_size > 1:  # on to stage 1
             self.links.next.queue(reqs)
         return reqs
@@ -106,11 +114,12 @@ class FrontendHead:
     def announce_ready(self, num_kv_blocks: int) -> None:
         """Tell the frontend the ring is up, and how many KV blocks it agreed."""
         if self.links.deltas is not None:
-            self.links.deltas.send(RingReady(rank=0, num_kv_blocks=num_kv_blocks))
+            ready = RingReady(rank=0, num_kv_blocks=num_kv_blocks, epoch=self.cfg.epoch)
+            self.links.deltas.send(ready)
 
     def send_deltas(self, step: int, deltas: list[RequestDelta]) -> None:
         if deltas and self.links.deltas is not None:
-            self.links.deltas.send(Deltas(step=step, deltas=deltas))
+            self.links.deltas.send(Deltas(step=step, deltas=deltas, epoch=self.cfg.epoch))
 
 
 class RingHead:
@@ -169,7 +178,8 @@ class SeamTail:
         if self.cfg.debug_fault == ("drop", self.cfg.rank, batch.step):
             return  # fault injection: the proxy is lost
         hidden, residual = seam["hidden_states"], seam["residual"]
-        self.links.next.queue(Proxy(batch.slot, batch.step, batch.digest, hidden, residual))
+        proxy = Proxy(batch.slot, batch.step, batch.digest, hidden, residual, self.cfg.epoch)
+        self.links.next.queue(proxy)
         if self.cfg.is_first_stage:
             self.sent_at[batch.step] = time.monotonic()
 
@@ -233,7 +243,14 @@ class SamplerTail:
                 break
             self.pending.popleft()
             result = sample.wait()
-            output = Output(batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs)
+            output = Output(
+                batch.slot,
+                batch.step,
+                batch.digest,
+                result.token_ids,
+                result.logprobs,
+                self.cfg.epoch,
+            )
             self.own_outputs[batch.step] = output
             if self.cfg.pp_size > 1:
                 self.links.next.queue(output)
