@@ -128,7 +128,7 @@ class Frontend:
         # Re-forming (launch/local.py restarts the ring after a stage died): the ring's epoch,
         # whether a failure may wait for a re-formed ring instead of failing every request, the
         # failure the launcher is to act on, and since when the ring is down.
-        self.epoch = 0
+        self.epoch: int | None = 0  # None: re-forming, the next epoch not known yet
         self.restartable = False
         self.ring_failure: str | None = None
         self.down_since: float | None = None
@@ -295,7 +295,7 @@ class Frontend:
             except ProtocolError as exc:
                 logger.warning("dropped a bad message from stage 0: %s", exc)
                 continue
-            if getattr(msg, "epoch", self.epoch) != self.epoch:
+            if hasattr(msg, "epoch") and msg.epoch != self.epoch:
                 logger.info("dropped a stale %s of ring epoch %d", msg.kind, msg.epoch)
             elif isinstance(msg, Deltas):
                 for delta in msg.deltas:
@@ -324,20 +324,18 @@ class Frontend:
         else:
             self.ring_down(reason)
 
-    def reform(self, epoch: int, reason: str) -> None:
-        """The launcher is starting ring `epoch` in place of one that failed: hold what comes
-        until it is ready, then replay every request in flight (see `Inflight.replay`)."""
-        self.epoch = epoch
+    def reform(self, reason: str) -> None:
+        """The launcher is starting a new ring in place of one that failed (it sets `epoch`
+        once it knows it; until then every ring message is stale): hold what comes until the
+        new ring is ready, then replay every request in flight (see `Inflight.replay`)."""
+        self.epoch = None
         self.ring_failure = None
         self.down_since = self.down_since or time.monotonic()
         self.ring_ready.clear()
         for request in self.inflight.values():
             request.sent_to_ring = False
         logger.warning(
-            "the ring is re-forming (epoch %d) after: %s; %d requests wait for it",
-            epoch,
-            reason,
-            len(self.inflight),
+            "the ring is re-forming after: %s; %d requests wait for it", reason, len(self.inflight)
         )
 
     def _replay(self) -> None:

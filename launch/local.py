@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,20 +40,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="where clients connect")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the frontend's port")
     parser.add_argument("--log-dir", type=Path, default=None, help="stage logs (default stderr)")
-    parser.add_argument(
-        "--max-stage-restarts",
-        type=int,
-        default=3,
-        help="re-form the ring this many times after a stage dies, replaying the requests in "
-        "flight (0: a dead stage fails every request, as vLLM and SGLang do)",
-    )
-    parser.add_argument(
-        "--stage-restart-window", type=float, default=600.0, help="seconds the limit counts over"
-    )
     add_http_args(parser)
+    add_restart_args(parser)
     args = parser.parse_args(argv)
-    if args.max_stage_restarts < 0:
-        parser.error("--max-stage-restarts must be at least 0")
     if args.threads_per_stage is None:
         # Stages share this machine's cores; OpenMP pools that oversubscribe slow every op.
         args.threads_per_stage = max(1, (os.cpu_count() or 1) // args.pp_size)
@@ -69,6 +58,26 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="the model's name in the API (default: the "
         "model folder's name)",
     )  # fmt: skip
+
+
+def add_restart_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-stage-restarts",
+        type=_at_least_zero,
+        default=3,
+        help="re-form the ring this many times after a stage dies, replaying the requests in "
+        "flight (0: a dead stage fails every request, as vLLM and SGLang do)",
+    )
+    parser.add_argument(
+        "--stage-restart-window", type=float, default=600.0, help="seconds the limit counts over"
+    )
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be at least 0")
+    return value
 
 
 def stage_argv(
@@ -186,23 +195,50 @@ def main(argv: list[str] | None = None) -> int:
         group.stop()
 
 
+@dataclass
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds (--max-stage-restarts,
+    --stage-restart-window)."""
+
+    limit: int
+    window_s: float
+    times: list[float] = field(default_factory=list)
+
+    def allows(self, now: float) -> bool:
+        self.times = [t for t in self.times if now - t < self.window_s]
+        return len(self.times) < self.limit
+
+    def used(self, now: float) -> None:
+        self.times.append(now)
+
+    def give_up_reason(self) -> str:
+        if self.limit == 0:
+            return "restarts are off (--max-stage-restarts 0)"
+        n = len(self.times)
+        return (
+            f"the ring was re-formed {n} time{'s' if n != 1 else ''} within "
+            f"{self.window_s:.0f} s (--max-stage-restarts {self.limit}); not again"
+        )
+
+
 class Restarter:
     """`ppring local`'s stages, started again as a new ring epoch when one dies or the ring
-    reports a failure: at most --max-stage-restarts times within --stage-restart-window
-    seconds, then the ring fails as it would without restarts. Every stage is started again
-    (same ranks, same layers): the survivors' KV caches and schedulers held the lost ring's
-    state, and new processes start from nothing, so no stale state or message survives; the
-    frontend replays the requests in flight (launch/frontend.py)."""
+    reports a failure, while the budget allows; then the ring fails as it would without
+    restarts. Every stage is started again (same ranks, same layers): the survivors' KV caches
+    and schedulers held the lost ring's state, and new processes start from nothing, so no
+    stale state or message survives; the frontend replays the requests in flight
+    (launch/frontend.py)."""
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, group: ProcessGroup) -> None:
         self.args, self.model_dir, self.group = args, model_dir, group
-        self.limit, self.window_s = args.max_stage_restarts, args.stage_restart_window
-        self.restarted_at: list[float] = []
+        self.budget = RestartBudget(args.max_stage_restarts, args.stage_restart_window)
         self.epoch = 0
 
     def can_restart(self, now: float) -> bool:
-        self.restarted_at = [t for t in self.restarted_at if now - t < self.window_s]
-        return len(self.restarted_at) < self.limit
+        return self.budget.allows(now)
+
+    def give_up_reason(self) -> str:
+        return self.budget.give_up_reason()
 
     def start_stages(self, epoch: int) -> None:
         """Every stage, from this (the main) thread: a stage dies with the thread that
@@ -215,20 +251,13 @@ class Restarter:
             argv = stage_argv(self.args, rank, self.model_dir, epoch=epoch)
             self.group.start(argv, log, inherit=log is None)
 
-    def restart(self, now: float) -> int:
-        """Stop what is left of the ring and start it again as the next epoch."""
-        self.restarted_at.append(now)
+    async def restart(self, now: float) -> int:
+        """Stop what is left of the ring, start it again as the next epoch; returns it."""
+        self.budget.used(now)
         self.group.stop(grace_s=3.0)
         self.group.procs.clear()
         self.start_stages(self.epoch + 1)
         return self.epoch
-
-    def give_up_reason(self) -> str:
-        n = len(self.restarted_at)
-        return (
-            f"the ring was re-formed {n} time{'s' if n != 1 else ''} within "
-            f"{self.window_s:.0f} s (--max-stage-restarts {self.limit}); not again"
-        )
 
 
 def run_frontend(
@@ -238,8 +267,11 @@ def run_frontend(
     context_length: int,
     group: ProcessGroup,
     keys: NodeKeys | None = None,
-    restarter: Restarter | None = None,
+    restarter: Any = None,
 ) -> int:
+    """Node 0's frontend (and HTTP API) until the ring shuts down or fails. `restarter`
+    (`Restarter`, or `ppring serve`'s `NodeRestarter`) re-forms a failed ring; None: a failure
+    fails every request."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -302,7 +334,7 @@ async def _serve(
     model_name: str,
     group: ProcessGroup,
     keys: NodeKeys | None,
-    restarter: Restarter | None,
+    restarter: Any,
 ) -> int:
     try:
         frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name, keys)
@@ -352,8 +384,8 @@ async def _serve(
                 failure = f"stage {rank} exited with code {dead[0].returncode}"
             if failure and not stopping:
                 if restarter is not None and restarter.can_restart(now):
-                    frontend.reform(restarter.epoch + 1, failure)
-                    restarter.restart(now)
+                    frontend.reform(failure)
+                    frontend.epoch = await restarter.restart(now)
                     continue
                 if restarter is not None:
                     failure += f"; {restarter.give_up_reason()}"

@@ -5,7 +5,10 @@ a `NodeHello` with its rank, the host its stage listens on, the model's config h
 partition and the ring's shape. Node 0 answers:
 - at once with a `RingError` to a node whose rank is taken, out of range, or whose model,
   partition or flags differ from node 0's (one sentence saying which and how to fix it);
-- with `NodeHosts`, every stage's host, once all ranks have registered.
+- with `NodeHosts`, every stage's host and the ring's epoch, once all ranks have registered.
+
+Node 0 keeps it open while it serves: a node that registers again opens the next round, which
+forms the next ring epoch once every rank has registered in it (launch/serve.py).
 
 Start-up order is free: ZeroMQ connects whenever the other side appears. A rendezvous that
 waits longer than its deadline names the ranks still missing (vLLM #26318 and SGLang #18366
@@ -14,6 +17,7 @@ hang silently instead).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import zmq
@@ -48,46 +52,75 @@ def serve_rendezvous(
     `own` is node 0's own hello info, the reference the others are checked against; when None
     the first registration of rank 0 is used. `security`: CURVE, admitting the ring's nodes.
     """
-    warn_if_exposed(addr, security, "the rendezvous")
-    router = RouterChannel(addr, security=security)
-    registered: dict[int, NodeHello] = {}
-    identities: dict[int, bytes] = {}
-    reference = own
-    deadline = time.monotonic() + deadline_s
+    rendezvous = Rendezvous(addr, nnodes, own, security)
     try:
-        while len(registered) < nnodes:
-            remaining = deadline - time.monotonic()
+        return rendezvous.round(deadline_s)
+    finally:
+        rendezvous.close()
+
+
+class Rendezvous:
+    """Node 0's rendezvous, round after round: round k forms ring epoch k. The first round is
+    start-up; a later one opens when a node registers again (a node started again by hand, or
+    a survivor whose stage left a failed ring) and completes once every rank has registered in
+    it, with the same checks as at start-up. A rank registers once per round."""
+
+    def __init__(
+        self,
+        addr: str,
+        nnodes: int,
+        own: NodeHello | None = None,
+        security: CurveServer | None = None,
+    ) -> None:
+        warn_if_exposed(addr, security, "the rendezvous")
+        self.addr, self.nnodes, self.reference = addr, nnodes, own
+        self.router = RouterChannel(addr, security=security)
+        self.epoch = 0
+
+    def round(self, deadline_s: float | None, stop: threading.Event | None = None) -> list[str]:
+        """Collect one round; return the stage hosts by rank (all of them were answered with
+        NodeHosts of this round's epoch). `deadline_s` None: wait for as long as it takes, or
+        until `stop` is set (then RendezvousError)."""
+        registered: dict[int, NodeHello] = {}
+        identities: dict[int, bytes] = {}
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        while len(registered) < self.nnodes:
+            if stop is not None and stop.is_set():
+                raise RendezvousError("the rendezvous was stopped")
+            remaining = 1.0 if deadline is None else deadline - time.monotonic()
             if remaining <= 0:
-                missing = sorted(set(range(nnodes)) - set(registered))
+                missing = sorted(set(range(self.nnodes)) - set(registered))
                 raise RendezvousError(
-                    f"rendezvous at {addr} waited {deadline_s:.0f} s; ranks {missing} never "
-                    f"registered: start `ppring serve --node-rank R` for each of them"
+                    f"rendezvous at {self.addr} waited {deadline_s:.0f} s; ranks {missing} "
+                    f"never registered: start `ppring serve --node-rank R` for each of them"
                 )
             try:
-                identity, msg = router.recv(timeout_s=min(remaining, 1.0))
+                identity, msg = self.router.recv(timeout_s=min(remaining, 1.0))
             except ChannelTimeout:
                 continue
             except BadClientMessage as exc:  # e.g. a node of another ppring version
                 problem = f"node 0's rendezvous could not read this node's hello: {exc}"
-                router.send(exc.identity, RingError(rank=0, message=problem))
+                self.router.send(exc.identity, RingError(rank=0, message=problem))
                 continue
             if not isinstance(msg, NodeHello):
                 continue
-            problem = _check(msg, nnodes, registered, reference)
+            problem = _check(msg, self.nnodes, registered, self.reference)
             if problem:
-                router.send(identity, RingError(rank=0, message=problem))
+                self.router.send(identity, RingError(rank=0, message=problem))
                 continue
-            if msg.rank == 0 and reference is None:
-                reference = msg
+            if msg.rank == 0 and self.reference is None:
+                self.reference = msg
             registered[msg.rank] = msg
             identities[msg.rank] = identity
-        hosts = [registered[r].host for r in range(nnodes)]
+        hosts = [registered[r].host for r in range(self.nnodes)]
         for identity in identities.values():
-            router.send(identity, NodeHosts(rank=0, hosts=hosts))
-        time.sleep(0.2)  # let the answers leave before the socket closes
+            self.router.send(identity, NodeHosts(rank=0, hosts=hosts, epoch=self.epoch))
+        self.epoch += 1
         return hosts
-    finally:
-        router.close(linger_ms=1000)
+
+    def close(self) -> None:
+        time.sleep(0.2)  # let the last answers leave before the socket closes
+        self.router.close(linger_ms=1000)
 
 
 def _check(
@@ -114,6 +147,13 @@ def register(
 ) -> list[str]:
     """Every node: say hello to node 0's rendezvous; return the stage hosts by rank.
     `security`: CURVE, with node 0's public key."""
+    return register_round(addr, hello, deadline_s, security).hosts
+
+
+def register_round(
+    addr: str, hello: NodeHello, deadline_s: float, security: CurveClient | None = None
+) -> NodeHosts:
+    """`register`, answering the whole NodeHosts: the hosts and the ring epoch they form."""
     ctx = zmq.Context.instance()
     dealer = DealerChannel(addr, ctx=ctx, security=security)
     try:
@@ -130,6 +170,6 @@ def register(
             raise RendezvousError(answer.message)
         if not isinstance(answer, NodeHosts):
             raise RendezvousError(f"the rendezvous at {addr} answered {answer.kind}, not hosts")
-        return list(answer.hosts)
+        return answer
     finally:
         dealer.close(linger_ms=0)

@@ -6,26 +6,38 @@ Every node registers with node 0's rendezvous (launch/rendezvous.py), which chec
 loaded the same model and partition and were given the same flags, then hands out every
 stage's host. Each node then starts its stage; node 0 also runs the frontend, where clients
 connect (`tcp://HOST0:P`). Node 0 prints `ready: tcp://HOST0:P` once the ring has agreed its
-KV capacity. Any node whose stage dies exits non-zero; node 0's clients get `ring_down`.
-SIGINT/SIGTERM on node 0 shut the whole ring down gracefully.
+KV capacity. A node whose stage leaves a failed ring registers again, and the rendezvous forms
+the next ring epoch once every rank has (a node that died is started again by hand); node 0's
+frontend replays the requests in flight. Past --max-stage-restarts a node exits non-zero and
+node 0's clients get `ring_down`. SIGINT/SIGTERM on node 0 shut the whole ring down gracefully.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from launch.flags import add_flags, agreed_flags
-from launch.local import add_http_args, load_keys, run_frontend, stage_argv, summary
+from launch.local import (
+    RestartBudget,
+    add_http_args,
+    add_restart_args,
+    load_keys,
+    run_frontend,
+    stage_argv,
+    summary,
+)
 from launch.procs import ProcessGroup
-from launch.rendezvous import RendezvousError, register, serve_rendezvous
-from protocol.curve import NodeKeys
-from protocol.messages import NodeHello
+from launch.rendezvous import Rendezvous, RendezvousError, register_round
+from protocol.curve import CurveClient, NodeKeys
+from protocol.messages import NodeHello, NodeHosts
 from ring.topology import DEFAULT_PORT, RingAddresses
 
 logger = logging.getLogger("ppring")
@@ -44,6 +56,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=None)
     add_flags(parser)
     add_http_args(parser)
+    add_restart_args(parser)
     args = parser.parse_args(argv)
     if args.pp_size != 1 and args.pp_size != args.nnodes:
         parser.error(
@@ -85,76 +98,164 @@ def main(argv: list[str] | None = None) -> int:
         rank=args.node_rank, **hello_info(args, startup.config.config_hash, startup.partition)
     )
     rendezvous_addr = f"tcp://{args.dist_init_addr}"
+    to_node0 = keys and keys.client_of(0)
+    service = None
     try:
-        hosts = _rendezvous(args, rendezvous_addr, hello, keys)
+        if args.node_rank == 0:
+            service = RendezvousService(args, rendezvous_addr, hello, keys)
+        ring = (
+            service.first_round(to_node0)
+            if service
+            else register_round(rendezvous_addr, hello, args.rendezvous_timeout, to_node0)
+        )
     except (RendezvousError, OSError) as exc:
+        if service is not None:
+            service.stop()
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logger.info("[node%d] ring hosts: %s", args.node_rank, hosts)
+    logger.info("[node%d] ring hosts: %s (epoch %d)", args.node_rank, ring.hosts, ring.epoch)
     group = ProcessGroup()
+    node = NodeRestarter(args, model_dir, group, rendezvous_addr, hello, to_node0)
     try:
-        log = args.log_dir / f"stage{args.node_rank}.log" if args.log_dir else None
-        if log:
-            args.log_dir.mkdir(parents=True, exist_ok=True)
-        group.start(stage_argv(args, args.node_rank, model_dir, hosts), log, inherit=log is None)
+        node.start_stage(ring)
         if args.node_rank == 0:
-            addrs = RingAddresses(args.nnodes, hosts=tuple(hosts), base_port=args.port)
-            return run_frontend(args, addrs, model_dir, startup.context_length, group, keys)
-        return _supervise(group)
+            addrs = RingAddresses(args.nnodes, hosts=tuple(ring.hosts), base_port=args.port)
+            return run_frontend(args, addrs, model_dir, startup.context_length, group, keys, node)
+        return _supervise(node)
     finally:
         group.stop()
+        if service is not None:
+            service.stop()
 
 
-def _rendezvous(
-    args: argparse.Namespace, addr: str, hello: NodeHello, keys: NodeKeys | None
-) -> list[str]:
-    to_node0 = keys and keys.client_of(0)
-    if args.node_rank != 0:
-        return register(addr, hello, args.rendezvous_timeout, to_node0)
-    result: dict[str, object] = {}
-    security = keys and keys.ring_server()
+class RendezvousService:
+    """Node 0's rendezvous, in a thread for as long as node 0 serves: the start-up round, then
+    one round each time the ring re-forms (launch/rendezvous.py `Rendezvous`)."""
 
-    def run() -> None:
+    def __init__(
+        self, args: argparse.Namespace, addr: str, hello: NodeHello, keys: NodeKeys | None
+    ) -> None:
+        self.args, self.addr, self.hello = args, addr, hello
         try:
-            result["hosts"] = serve_rendezvous(
-                addr, args.nnodes, args.rendezvous_timeout, hello, security
-            )
-        except RendezvousError as exc:
-            result["error"] = exc
+            self.rendezvous = Rendezvous(addr, args.nnodes, hello, keys and keys.ring_server())
         except OSError as exc:
-            result["error"] = RendezvousError(
+            raise RendezvousError(
                 f"{exc}: is another node 0 already running? give each node its own --node-rank"
-            )
+            ) from None
+        self.stopping = threading.Event()
+        self.error: RendezvousError | None = None
+        self.thread = threading.Thread(target=self._run, name="rendezvous", daemon=True)
+        self.thread.start()
 
-    thread = threading.Thread(target=run, name="rendezvous", daemon=True)
-    thread.start()
-    thread.join(0.5)  # a rendezvous that cannot even bind says so before anything else
-    if "error" in result:
-        raise result["error"]
-    try:
-        hosts = register(addr, hello, args.rendezvous_timeout + 5, to_node0)
-    except RendezvousError:
-        thread.join(5)
-        if "error" in result:
-            raise result["error"] from None  # the rendezvous' own reason names missing ranks
-        raise
-    thread.join(10)
-    if "error" in result:
-        raise result["error"]
-    return hosts
+    def first_round(self, security: CurveClient | None) -> NodeHosts:
+        """Node 0's own registration in the start-up round."""
+        try:
+            return register_round(self.addr, self.hello, self.args.rendezvous_timeout + 5, security)
+        except RendezvousError:
+            self.thread.join(5)
+            if self.error is not None:
+                raise self.error from None  # its own reason names the missing ranks
+            raise
+
+    def _run(self) -> None:
+        try:
+            self.rendezvous.round(self.args.rendezvous_timeout)
+            while not self.stopping.is_set():
+                self.rendezvous.round(None, self.stopping)
+        except RendezvousError as exc:
+            self.error = exc
+        finally:
+            self.rendezvous.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
 
 
-def _supervise(group: ProcessGroup) -> int:
-    """A node other than 0: run until its stage exits; pass on SIGTERM/SIGINT."""
-    stage = group.procs[0]
+class NodeRestarter:
+    """One node's stage in `ppring serve`, started again after it leaves a failed ring: the
+    node registers with node 0's rendezvous again, which forms the next ring epoch once every
+    node has (a node started again by hand registers the same way), at most
+    --max-stage-restarts times within --stage-restart-window. Node 0's frontend replays the
+    requests in flight (launch/frontend.py); the same interface as `ppring local`'s
+    `Restarter`."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        model_dir: Path,
+        group: ProcessGroup,
+        addr: str,
+        hello: NodeHello,
+        security: CurveClient | None,
+    ) -> None:
+        self.args, self.model_dir, self.group = args, model_dir, group
+        self.addr, self.hello, self.security = addr, hello, security
+        self.budget = RestartBudget(args.max_stage_restarts, args.stage_restart_window)
+        self.epoch = 0
+
+    def can_restart(self, now: float) -> bool:
+        return self.budget.allows(now)
+
+    def give_up_reason(self) -> str:
+        return self.budget.give_up_reason()
+
+    def start_stage(self, ring: NodeHosts) -> None:
+        """From the main thread: a stage dies with the thread that started it."""
+        self.epoch = ring.epoch
+        log = self.args.log_dir / f"stage{self.args.node_rank}.log" if self.args.log_dir else None
+        if log:
+            self.args.log_dir.mkdir(parents=True, exist_ok=True)
+        argv = stage_argv(self.args, self.args.node_rank, self.model_dir, ring.hosts, ring.epoch)
+        self.group.start(argv, log, inherit=log is None)
+
+    async def restart(self, now: float) -> int:
+        """Stop the stage, rejoin through the rendezvous (waiting in a thread, so node 0's
+        frontend keeps answering), start the stage as the new epoch; returns the epoch."""
+        self.budget.used(now)
+        self.group.stop(grace_s=3.0)
+        self.group.procs.clear()
+        ring = await asyncio.to_thread(self.rejoin)
+        self.start_stage(ring)
+        return self.epoch
+
+    def rejoin(self) -> NodeHosts:
+        rank = self.args.node_rank
+        logger.warning("[node%d] rejoining the ring through node 0's rendezvous", rank)
+        ring = register_round(self.addr, self.hello, self.args.rendezvous_timeout, self.security)
+        logger.warning("[node%d] ring epoch %d formed: %s", rank, ring.epoch, ring.hosts)
+        return ring
+
+
+def _supervise(node: NodeRestarter) -> int:
+    """A node other than 0: run its stage; when it leaves a failed ring, rejoin (see
+    NodeRestarter) while restarts remain. SIGTERM/SIGINT stop the stage and this node."""
+    stopping = threading.Event()
 
     def forward(signum: int, _frame: object) -> None:
-        if stage.poll() is None:
-            stage.terminate()
+        stopping.set()
+        for proc in node.group.procs:
+            if proc.poll() is None:
+                proc.terminate()
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = stage.wait()
-    if code != 0:
-        print(f"error: this node's stage exited with code {code}", file=sys.stderr)
-    return code
+    while True:
+        code = node.group.procs[0].wait()
+        if code == 0 or stopping.is_set():
+            return code
+        now = time.monotonic()
+        if not node.can_restart(now):
+            print(
+                f"error: this node's stage exited with code {code}; {node.give_up_reason()}",
+                file=sys.stderr,
+            )
+            return code
+        print(f"this node's stage exited with code {code}: rejoining the ring", file=sys.stderr)
+        node.budget.used(now)
+        node.group.procs.clear()
+        try:
+            node.start_stage(node.rejoin())
+        except RendezvousError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1

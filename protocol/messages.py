@@ -171,6 +171,7 @@ class NodeHosts(Control):
     op: ClassVar[str] = "hosts"
     rank: int
     hosts: list[str]
+    epoch: int = 0  # the ring these hosts form: one more each time it re-forms
 
 
 @dataclass(frozen=True)

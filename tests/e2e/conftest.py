@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,48 @@ def start_local(tmp_path):
     yield start
     for server in servers:
         server.stop()
+
+
+def run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30)
+
+
+class Hosts(list):
+    """The namespaces of the three hosts, and `hub`, the one holding their bridge."""
+
+    def __init__(self, names: list[str], hub: str) -> None:
+        super().__init__(names)
+        self.hub = hub
+
+
+@pytest.fixture
+def three_hosts():
+    """Three network namespaces on one bridge (itself in a fourth namespace, so this machine's
+    own network is untouched), addressed 198.18.0.1-3. Skips only if namespaces cannot be made.
+    A test asks for it before the fixture that starts processes in it (`nodes`): fixtures end
+    in reverse, so the processes stop while the bridge still joins them (a graceful shutdown
+    that goes round the ring needs it)."""
+    tag = uuid.uuid4().hex[:6]
+    hub, names = f"pph{tag}", [f"ppn{tag}{i}" for i in range(3)]
+    try:
+        run("ip", "netns", "add", hub)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot create network namespaces here ({exc}); this test needs root")
+    made = [hub]
+    try:
+        run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", hub, "link", "set", "br0", "up")
+        for i, name in enumerate(names):
+            run("ip", "netns", "add", name)
+            made.append(name)
+            run("ip", "-n", name, "link", "set", "lo", "up")
+            run("ip", "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name",
+                f"v{i}", "netns", hub)  # fmt: skip
+            run("ip", "-n", hub, "link", "set", f"v{i}", "master", "br0")
+            run("ip", "-n", hub, "link", "set", f"v{i}", "up")
+            run("ip", "-n", name, "addr", "add", f"198.18.0.{i + 1}/24", "dev", "eth0")
+            run("ip", "-n", name, "link", "set", "eth0", "up")
+        yield Hosts(names, hub)
+    finally:
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
 
 from launch.client import AsyncClient, RequestError
+from launch.procs import ROOT
 from protocol.channels import PushChannel
 from protocol.messages import Proxy
 from ring.sim_stage import expected_token
@@ -74,7 +77,7 @@ def test_a_killed_stage_is_restarted_and_every_stream_completes(start_local, tmp
     for i, request in enumerate(requests):
         assert got[i] == sim_expected(len(request["input_ids"]), i, 40), i  # none twice, none lost
     log = server.log_text()
-    assert "the ring is re-forming (epoch 1) after: stage 1 exited with code -9" in log
+    assert "the ring is re-forming after: stage 1 exited with code -9" in log
     assert "the ring re-formed (epoch 1)" in log and "replaying 16 requests" in log
     print(f"pause seen by the clients: {pause:.1f} s")
     assert pause < 60
@@ -153,3 +156,104 @@ def test_the_default_model_at_pp3_loses_no_token_to_a_killed_stage(start_local, 
     print(f"sampled, last stage killed: pause {pause:.1f} s")
     assert got == reference
     assert "the ring re-formed (epoch 2)" in server.log_text()
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    from tests.e2e.test_serve import Nodes
+
+    group = Nodes(tmp_path)
+    yield group
+    group.stop()
+
+
+def _serve_ring(nodes, prefix=None, hosts=None, extra=()):
+    """Three `ppring serve` nodes; `hosts`/`prefix`: per rank (namespaces), else loopback."""
+    from launch.procs import find_free_base_port
+    from tests.e2e.test_serve import serve_argv
+
+    port = 31100 if hosts else find_free_base_port(12)
+    rdv = f"{hosts[0] if hosts else '127.0.0.1'}:{port + 20}"
+    argv = {}
+    for rank in range(3):
+        host = ["--host", hosts[rank]] if hosts else []
+        argv[rank] = serve_argv(rank, 3, rdv, port, "--ring-timeout", "4", *host, *extra)
+        nodes.start(argv[rank], f"n{rank}", prefix=prefix and prefix[rank])
+    nodes.wait_ready("n0")
+    return port, argv
+
+
+@pytest.mark.timeout(300)
+def test_a_serve_node_started_again_by_hand_rejoins_and_requests_finish(nodes):
+    """Loopback, simulated stages: SIGKILL node 1 (its stage dies with it), start it again
+    with the same --node-rank: the survivors leave the failed ring within the ring timeout and
+    rejoin through node 0's rendezvous, and every stream finishes with its own tokens."""
+    port, argv = _serve_ring(nodes, extra=SIM)
+    requests = [
+        {"input_ids": [3 + i] * 4, "max_new_tokens": 60, "seed": i, "temperature": 1.0}
+        for i in range(8)
+    ]
+
+    def kill_node1() -> None:
+        nodes.procs[1].kill()
+        nodes.start(argv[1], "n1-again")
+
+    got, pause = asyncio.run(
+        stream_all(f"tcp://127.0.0.1:{port}", requests, kill_node1, kill_after_tokens=3)
+    )
+    for i, request in enumerate(requests):
+        assert got[i] == sim_expected(len(request["input_ids"]), i, 60), i
+    print(f"pause seen by the clients: {pause:.1f} s")
+    assert "ring epoch 1 formed" in nodes.text("n2")
+    assert "the ring re-formed (epoch 1)" in nodes.text("n0")
+
+
+NETNS_CLIENT = """
+import asyncio, json, pathlib, sys
+sys.path.insert(0, sys.argv[4])
+from tests.e2e.test_restart import stream_all
+marker = pathlib.Path(sys.argv[3])
+requests = [{"prompt": p, "max_new_tokens": 32, "temperature": 0} for p in json.loads(sys.argv[2])]
+got, pause = asyncio.run(stream_all(sys.argv[1], requests, marker.touch, kill_after_tokens=4))
+print(json.dumps({"tokens": got, "pause": pause}))
+"""
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_three_hosts_node1_killed_and_started_again_by_hand(
+    three_hosts, nodes, hf_greedy, tmp_path
+):
+    """The default model across three namespaces: node 1's launcher SIGKILLed mid-generation
+    (its stage dies with it) and started again by hand; the ring re-forms and every stream in
+    flight finishes equal to transformers'."""
+    import json
+
+    hosts = [f"198.18.0.{r + 1}" for r in range(3)]
+    prefix = [["ip", "netns", "exec", name] for name in three_hosts]
+    port, argv = _serve_ring(nodes, prefix, hosts, ("--dtype", "float32"))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    marker = tmp_path / "streaming"
+    client = subprocess.Popen(
+        [*prefix[2], sys.executable, "-c", NETNS_CLIENT, f"tcp://{hosts[0]}:{port}",
+         json.dumps(prompts), str(marker), str(ROOT)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert time.monotonic() < deadline and client.poll() is None, client.stderr.read()
+            time.sleep(0.1)
+        nodes.procs[1].kill()
+        nodes.procs[1].wait(10)
+        nodes.start(argv[1], "n1-again", prefix=prefix[1])
+        out, err = client.communicate(timeout=600)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert client.returncode == 0, err
+    result = json.loads(out)
+    for prompt, tokens in zip(prompts, result["tokens"], strict=True):
+        assert tokens == hf_greedy[prompt], prompt
+    print(f"pause seen by the clients: {result['pause']:.1f} s")
+    assert "the ring re-formed (epoch 1)" in nodes.text("n0")
