@@ -17,8 +17,9 @@ A node's keys live in one folder (`--curve-dir`), made with `ppring keygen`:
 
 Two admission domains: `ring` (ring links and the rendezvous: node keys only) and `clients`
 (node 0's client socket: client keys, and node keys, so an operator on a node can send too).
-pyzmq's own `zmq.auth` reads the key files and runs the ZAP protocol; this module adds the
-layout, the domains, and one log line per refused peer (pyzmq logs refusals at debug level only).
+pyzmq's `zmq.auth` reads and writes the key files; the ZAP handler is this module's own (a
+blocking loop in one thread per context: pyzmq's runs an asyncio loop per context and logs
+refusals at debug level only), with the domains and one log line per refused peer.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from pathlib import Path
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
@@ -46,6 +46,8 @@ CLIENTS_DOMAIN = "clients"
 CLIENTS_FOLDER = "clients"
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks, in each context (RFC 27)
+ZAP_VERSION = b"1.0"
 
 
 class CurveError(ValueError):
@@ -223,34 +225,41 @@ def warn_if_exposed(addr: str, security: Security, what: str) -> None:
         )
 
 
-class _Admissions(ThreadAuthenticator):
-    """pyzmq's ZAP handler, with one admitted-key set per domain and a log line per refusal.
-    (Its own CURVE check reads a folder per domain and logs at debug level.)"""
+class _Admissions:
+    """The ZAP handler's decisions (RFC 27): one admitted-key set per domain, one log line per
+    refused (address, key). CURVE only; any other mechanism a socket of this context asks
+    about (none does: only CURVE servers set a ZAP domain) is allowed, as libzmq would without
+    a handler."""
 
-    def __init__(self, context: zmq.Context) -> None:
-        super().__init__(context)
+    def __init__(self) -> None:
         self.domains: dict[str, frozenset[bytes]] = {}
         self.refused: set[tuple[str, bytes]] = set()
-        self._address = ""
 
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        # msg: version, request id, domain, address, identity, mechanism, credentials...
-        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
-        await super().handle_zap_message(msg)
-
-    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
-        key = z85.encode(client_key)
-        if key in self.domains.get(domain, frozenset()):
-            return True, b"OK"
-        if (self._address, key) not in self.refused:
-            self.refused.add((self._address, key))
+    def reply(self, request: list[bytes]) -> list[bytes]:
+        """ZAP request frames (version, id, domain, address, identity, mechanism,
+        credentials...) -> reply frames (version, id, status code, status text, user, meta)."""
+        if len(request) < 6:
+            return [ZAP_VERSION, request[1] if len(request) > 1 else b"", b"400", b"bad", b"", b""]
+        version, request_id, domain, address, _identity, mechanism = request[:6]
+        if version != ZAP_VERSION:
+            return [ZAP_VERSION, request_id, b"400", b"bad version", b"", b""]
+        if mechanism != b"CURVE":
+            return [ZAP_VERSION, request_id, b"200", b"OK", b"anonymous", b""]
+        if len(request) != 7 or len(request[6]) != 32:
+            return [ZAP_VERSION, request_id, b"400", b"bad credentials", b"", b""]
+        key = z85.encode(request[6])
+        if key in self.domains.get(domain.decode("utf-8", "replace"), frozenset()):
+            return [ZAP_VERSION, request_id, b"200", b"OK", key, b""]
+        host = address.decode("utf-8", "replace")
+        if (host, key) not in self.refused:
+            self.refused.add((host, key))
             logger.warning(
                 "refused a %s connection from %s: its CURVE key %s is not admitted",
-                domain,
-                self._address,
+                domain.decode("utf-8", "replace"),
+                host,
                 key.decode(),
             )
-        return False, b"Unknown key"
+        return [ZAP_VERSION, request_id, b"400", b"unknown key", b"", b""]
 
 
 class Gatekeeper:
@@ -261,11 +270,14 @@ class Gatekeeper:
     _lock = threading.Lock()
 
     def __init__(self, context: zmq.Context) -> None:
-        self.admissions = _Admissions(context)
-        self.admissions.start()
-        # Monitor sockets are read by one thread; it gets them from this queue, woken by a byte
-        # on the pipe (os.write is safe from any thread, a ZeroMQ socket is not).
+        self.admissions = _Admissions()
+        # One thread answers ZAP requests and reads the monitors (plain blocking ZeroMQ, no
+        # event loop). It gets new monitor sockets from this queue, woken by a byte on the
+        # pipe (os.write is safe from any thread, a ZeroMQ socket is not).
         self.sync_context = zmq.Context.shadow(context.underlying)
+        self.zap = self.sync_context.socket(zmq.REP)
+        self.zap.linger = 0
+        self.zap.bind(ZAP_ENDPOINT)
         self.new_monitors: queue.SimpleQueue[tuple[zmq.Socket, int]] = queue.SimpleQueue()
         self.wake_read, self.wake_write = os.pipe()
         self.thread = threading.Thread(target=self._watch_loop, name="curve-watch", daemon=True)
@@ -299,9 +311,13 @@ class Gatekeeper:
     def _watch_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.wake_read, zmq.POLLIN)
+        poller.register(self.zap, zmq.POLLIN)
         watch = _Refusals()
         while True:
             for ready, _ in poller.poll():
+                if ready is self.zap:
+                    self.zap.send_multipart(self.admissions.reply(self.zap.recv_multipart()))
+                    continue
                 if ready == self.wake_read:
                     os.read(self.wake_read, 4096)
                     while not self.new_monitors.empty():
