@@ -43,9 +43,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--chunked-prefill-size", int, 512, agreed=True, field="chunked_prefill_size"),
     Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
     Flag("--ring-timeout", float, 30.0, field="ring_timeout_s"),
-    Flag(
-        "--ring-epoch", int, 0, field="epoch", help="set by the launcher when it re-forms the ring"
-    ),
     Flag("--stage-impl", str, "real", choices=("real", "sim"), agreed=True),
     Flag("--model", str, None, help="a local Hugging Face folder"),
     Flag(

@@ -90,7 +90,7 @@ def stage_argv(
     argv = [
         sys.executable, "-m", "launch.stage", "--rank", str(rank),
         "--host", args.host, "--port", str(args.port), "--transport", "tcp",
-        *flag_argv(args, model=model_dir, ring_epoch=epoch),
+        "--ring-epoch", str(epoch), *flag_argv(args, model=model_dir),
     ]  # fmt: skip
     if ring_hosts:
         argv += ["--ring-hosts", ",".join(ring_hosts)]

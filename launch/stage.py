@@ -9,6 +9,7 @@ a shutdown went round the ring, 1 when the ring failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ring-hosts", default=None, help="comma-separated host of every stage (multi-node)"
     )
+    parser.add_argument(
+        "--ring-epoch", type=int, default=0, help="the ring's incarnation (set by the launcher)"
+    )
     add_flags(parser)
     return parser
 
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     die_with_launcher()
     args = build_parser().parse_args(argv)
-    cfg = ring_config(args, args.rank)
+    cfg = dataclasses.replace(ring_config(args, args.rank), epoch=args.ring_epoch)
     addrs = RingAddresses(
         cfg.pp_size,
         transport=args.transport,

@@ -51,7 +51,7 @@ def test_ring_config_fills_each_field_from_its_flag():
         if flag.field:
             assert getattr(cfg, flag.field) == other_value(flag), flag.name
     filled = {flag.field for flag in FLAGS if flag.field}
-    per_process = {"rank", "debug_fault"}
+    per_process = {"rank", "debug_fault", "epoch"}  # epoch: the launcher's, per start
     assert filled == {f.name for f in dataclasses.fields(RingConfig)} - per_process
 
 

@@ -125,7 +125,8 @@ def test_bad_requests_get_an_error_and_disturb_nothing(start_local):
 
 @pytest.mark.timeout(300)
 def test_killing_a_stage_errors_every_client_and_the_launcher_exits_nonzero(start_local):
-    server = start_local("--pp-size", "2")
+    """Fail-stop, as vLLM and SGLang: --max-stage-restarts 0 (test_restart.py: the default)."""
+    server = start_local("--pp-size", "2", "--max-stage-restarts", "0")
     stage_pids = [
         int(pid)
         for pid in subprocess.run(
