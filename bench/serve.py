@@ -94,6 +94,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--chunked-prefill-size", type=int, default=None, help="the rings' (ppring local's default)"
     )
     parser.add_argument(
+        "--split-lm-head",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="the rings' (ppring local's default: auto)",
+    )
+    parser.add_argument(
         "--hf-dtypes",
         default="float32",
         help="HF generate baselines, e.g. float32,bfloat16 (float32: what a user gets by default)",
@@ -192,6 +198,8 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
         cmd += ["--pp-max-micro-batch-size", str(args.pp_max_micro_batch_size)]
     if args.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    if args.split_lm_head is not None:
+        cmd += ["--split-lm-head", args.split_lm_head]
     if args.kv_memory_gib is not None:
         cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
     (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)

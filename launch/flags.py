@@ -71,6 +71,16 @@ FLAGS: tuple[Flag, ...] = (
         "each, the remainder before the last (PPRING_LAYER_PARTITION overrides both)",
         agreed=True,
     ),
+    Flag(
+        "--split-lm-head",
+        str,
+        "auto",
+        choices=("auto", "on", "off"),
+        help="split the lm_head by vocabulary between the first and the last stage, the first "
+        "one sampling, so decode's extra work weighs on two stages (PP >= 2); auto: on for CPU "
+        "stages",
+        agreed=True,
+    ),
     Flag("--device", str, "cpu"),
     Flag(
         "--curve-dir",
@@ -99,7 +109,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def ring_config(args: argparse.Namespace, rank: int) -> RingConfig:
     fields = {flag.field: getattr(args, flag.dest) for flag in FLAGS if flag.field}
-    return RingConfig(rank=rank, **fields)
+    return RingConfig(rank=rank, split_lm_head=splits_lm_head(args), **fields)
+
+
+def splits_lm_head(args: argparse.Namespace) -> bool:
+    """--split-lm-head resolved: never for one stage; `auto` splits for real stages on a CPU,
+    where each stage computes on its own cores and the last one's lm_head would otherwise hold
+    every other stage up in decode (a GPU stage's lm_head is a small share of its step)."""
+    if args.pp_size < 2 or args.split_lm_head == "off":
+        return False
+    return args.split_lm_head == "on" or (args.device == "cpu" and args.stage_impl == "real")
 
 
 def flag_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:

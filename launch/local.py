@@ -124,12 +124,15 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
 
     config = ModelConfig.from_folder(model_dir)
     cfg = ring_config(args, rank=0)
-    split = partition_for_model(config, args.pp_size, args.partition_rule)
+    split = partition_for_model(config, args.pp_size, args.partition_rule, cfg.split_lm_head)
     context = (
         args.sim_context_length if args.stage_impl == "sim" else config.max_position_embeddings
     )
-    shares = ", ".join(f"{100 * x:.0f}%" for x in StageCosts.for_model(config).shares(split))
+    costs = StageCosts.for_model(config, split_lm_head=cfg.split_lm_head)
+    shares = ", ".join(f"{100 * x:.0f}%" for x in costs.shares(split))
     how = PARTITION_ENV if os.environ.get(PARTITION_ENV) else f"rule {args.partition_rule}"
+    if cfg.split_lm_head:
+        how += "; lm_head split between the first and the last stage, the first samples"
     lines = [
         f"model: {model_dir} ({config.num_layers} layers, d={config.hidden_size}), "
         f"on {args.device}, stage impl {args.stage_impl}",

@@ -38,6 +38,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
             t0_s=args.sim_t0_ms / 1000,
             t_token_s=args.sim_t_token_ms / 1000,
             sample_delay_s=args.sim_sample_delay_ms / 1000 if cfg.is_last_stage else 0.0,
+            split_lm_head=cfg.split_lm_head,
         )
         return stage, ModelInfo(context_length=args.sim_context_length, config_hash="sim")
 
@@ -55,6 +56,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         num_threads=args.threads_per_stage,
         quantization=args.quantization,
         partition_rule=args.partition_rule,
+        split_lm_head=cfg.split_lm_head,
     )
     model = stage.config
     info = ModelInfo(

@@ -1,8 +1,8 @@
 """Every message kind on the wire: one frozen dataclass per kind.
 
-Ring kinds travel between stages (`reqs`, `proxy`, `output`, `ctrl`) and between stage 0 and the
-frontend (`submit` and `stop_serving` in, `deltas` and `ctrl` out); client kinds travel
-between a client and the frontend (`generate`, `abort`, `ping`, `pong`, `chunk`, `done`,
+Ring kinds travel between stages (`reqs`, `proxy`, `output`, `share`, `ctrl`) and between
+stage 0 and the frontend (`submit` and `stop_serving` in, `deltas` and `ctrl` out); client kinds
+travel between a client and the frontend (`generate`, `abort`, `ping`, `pong`, `chunk`, `done`,
 `error`). Fields typed
 `Tensor` travel as raw frames after the msgpack header (protocol/codec.py); every other field
 travels inside the header and is type-checked on decode (protocol/schema.py).
@@ -89,6 +89,23 @@ class Output:
     epoch: int = 0
 
 
+@dataclass(frozen=True)
+class Share:
+    """With the lm_head split (RingConfig.split_lm_head), the last stage's part of one
+    micro-batch's logits, sent to stage 0, which finishes them and samples (stages/contract.py
+    `LogitsShare`: the tensors' shapes and when `logits` is empty)."""
+
+    kind: ClassVar[str] = "share"
+    slot: int
+    step: int
+    digest: str
+    hidden: Tensor  # [N, d]
+    logits: Tensor  # [N, V - cut] or [0]
+    best_logit: Tensor  # [N] or [0]
+    best_token: Tensor  # [N] or [0]
+    epoch: int = 0
+
+
 class Control:
     """Control messages: one frozen dataclass per `op`, all of kind `ctrl` on the wire (the
     header names the op). Not numbered per slot: any stage may originate one (e.g. an error).
@@ -109,6 +126,7 @@ class StageHello(Control):
     config_hash: str
     pp_loop_size: int
     context_length: int
+    split_lm_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -357,7 +375,7 @@ class Error:
 
 
 RING_KINDS: dict[str, type] = {
-    cls.kind: cls for cls in (Reqs, Proxy, Output, Control, Submit, StopServing, Deltas)
+    cls.kind: cls for cls in (Reqs, Proxy, Output, Share, Control, Submit, StopServing, Deltas)
 }
 CLIENT_KINDS: dict[str, type] = {
     cls.kind: cls for cls in (Generate, Abort, Ping, Pong, Chunk, Done, Error)
@@ -365,7 +383,7 @@ CLIENT_KINDS: dict[str, type] = {
 ALL_KINDS: dict[str, type] = {**RING_KINDS, **CLIENT_KINDS}
 
 # Kinds whose (slot, step) a receiver checks for continuity.
-SEQUENCED_KINDS = ("reqs", "proxy", "output")
+SEQUENCED_KINDS = ("reqs", "proxy", "output", "share")
 
 
 def message_class(kind: object, op: object = None) -> type | None:

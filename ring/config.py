@@ -18,6 +18,10 @@ class RingConfig:
     max_running_requests: int = 64
     pp_max_micro_batch_size: int | None = None  # None: max(max_running_requests // pp_size, 1)
     chunked_prefill_size: int = 512  # prefill tokens per micro-batch, over all requests in it
+    # The lm_head split by vocabulary between stage 0 and the last stage (--split-lm-head): the
+    # last sends its share of the logits to stage 0 (`share`), which samples and sends the
+    # output round the ring. Decode's lm_head then weighs on two stages, not on the last alone.
+    split_lm_head: bool = False
     # Liveness. While idle, stage 0 sends a heartbeat around the ring every interval; a stage
     # that hears nothing for `ring_timeout_s` declares the ring down.
     heartbeat_interval_s: float = 1.0
@@ -44,6 +48,13 @@ class RingConfig:
             raise ValueError("--ring-epoch must be at least 0")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be at least 1")
+        if self.split_lm_head and self.pp_size < 2:
+            raise ValueError("a one-stage ring has no lm_head to split")
+
+    @property
+    def output_origin(self) -> int:
+        """The rank whose stage samples: stage 0 with the lm_head split, else the last."""
+        return 0 if self.split_lm_head else self.pp_size - 1
 
     @property
     def pp_loop_size(self) -> int:

@@ -55,7 +55,7 @@ class ModelInfo:
 
 
 # What every stage must agree on with stage 0 at start-up (besides the KV capacity).
-AGREED_FIELDS = ("config_hash", "pp_loop_size", "context_length")
+AGREED_FIELDS = ("config_hash", "pp_loop_size", "context_length", "split_lm_head")
 
 
 class RingControl:

@@ -42,6 +42,7 @@ class RingDriver:
         self.intake = PushChannel(addrs.intake(), ctx=ctx)
         self.seq = 0
         self.tokens: dict[str, list[int]] = {}
+        self.logprobs: dict[str, list[float | None]] = {}
         self.finished: dict[str, RequestDelta] = {}
         self.num_finishes: dict[str, int] = {}
         self.ctrl: list[Control] = []
@@ -71,6 +72,7 @@ class RingDriver:
             for delta in msg.deltas:
                 if delta.token_id is not None:
                     self.tokens.setdefault(delta.rid, []).append(delta.token_id)
+                    self.logprobs.setdefault(delta.rid, []).append(delta.logprob)
                 if delta.finish_reason:
                     self.finished[delta.rid] = delta
                     self.num_finishes[delta.rid] = self.num_finishes.get(delta.rid, 0) + 1

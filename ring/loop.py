@@ -63,7 +63,14 @@ class StageLoop:
         prev = self.links.prev
         self.receiver = DemuxReceiver(prev, self.cfg.pp_loop_size, self.cfg.epoch) if prev else None
         self.control = RingControl(self.cfg, self.links, self.receiver)
-        self.head, self.tail = build_roles(self.cfg, self.links, self.control, self.stats)
+        if self.stage.split_lm_head != self.cfg.split_lm_head:
+            raise ValueError(
+                f"{self.prefix} the stage was built with split_lm_head "
+                f"{self.stage.split_lm_head}, the ring's config says {self.cfg.split_lm_head}"
+            )
+        self.head, self.tail = build_roles(
+            self.cfg, self.links, self.control, self.stats, self.stage
+        )
         self.scheduler: Scheduler | None = None  # built by the handshake
         self.prepared: Batch | None = None  # the next step's batch, decided during a forward
         self.deltas: list[RequestDelta] = []  # for the frontend, sent once per step
@@ -78,6 +85,7 @@ class StageLoop:
                 config_hash=self.model.config_hash,
                 pp_loop_size=self.cfg.pp_loop_size,
                 context_length=self.model.context_length,
+                split_lm_head=self.cfg.split_lm_head,
             )
         )
         self.stage.allocate_kv(agreed)
@@ -212,7 +220,8 @@ class StageLoop:
         """Step 5: apply the output of the slot that comes next (`step + 1 - pp_loop_size`)."""
         due = step + 1 - self.cfg.pp_loop_size
         if due >= 0:
-            self.deltas += self.scheduler.apply_output(self.tail.take_output(due))
+            batch = self.scheduler.inflight[due]
+            self.deltas += self.scheduler.apply_output(self.tail.take_output(batch))
 
     def _end_step(self, step: int) -> None:
         self._send_queued()

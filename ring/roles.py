@@ -5,9 +5,12 @@ A stage plays two roles, picked by its rank:
 - its head, where a step's inputs come from: `FrontendHead` (stage 0: requests from the
   frontend, no seam to receive, deltas back to the frontend) or `RingHead` (every other stage:
   requests and the seam from the predecessor);
-- its tail, what its forward produces: `SamplerTail` (the last stage: sampled tokens, sent
-  round the ring and kept to apply itself) or `SeamTail` (every other stage: the seam for the
-  next stage; outputs come from the predecessor).
+- its tail, what its forward produces and where its outputs come from: `SamplerTail` (the
+  last stage: sampled tokens, sent round the ring and kept to apply itself) or `SeamTail`
+  (every other stage: the seam for the next stage; outputs come from the predecessor). With the
+  lm_head split (RingConfig.split_lm_head) the last stage is a `ShareTail` (its share of the
+  logits goes to stage 0; outputs come from its predecessor) and stage 0 a `ShareSamplerTail`
+  (a seam tail that also samples each share and sends the output round the ring).
 
 A one-stage ring is both `FrontendHead` and `SamplerTail`. The loop calls the same methods
 whatever the rank, so its body never asks for it.
@@ -30,6 +33,7 @@ from protocol.messages import (
     Reqs,
     RequestDelta,
     RingReady,
+    Share,
     StopServing,
     Submit,
 )
@@ -37,7 +41,7 @@ from ring.config import RingConfig
 from ring.control import RingControl
 from ring.links import Links
 from ring.scheduler import Batch, DivergenceError, Scheduler
-from stages.contract import Sample, Seam, StageOutput
+from stages.contract import LogitsShare, Sample, Seam, Stage, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +172,8 @@ class SeamTail:
         self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
     ) -> None:
         self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
-        self.forward_outputs = cfg.rank + 1 < cfg.pp_size - 1  # the last stage made them
+        # On to the next stage unless it made them (it sampled them).
+        self.forward_outputs = (cfg.rank + 1) % cfg.pp_size != cfg.output_origin
         self.sent_at: dict[int, float] = {}  # stage 0: step -> when its seam left
 
     def sampling_args(self, batch: Batch) -> dict[str, Any]:
@@ -183,26 +188,118 @@ class SeamTail:
         if self.cfg.is_first_stage:
             self.sent_at[batch.step] = time.monotonic()
 
-    def take_output(self, due: int) -> Output:
+    def take_output(self, batch: Batch) -> Output:
+        output: Output = self._receive("output", batch.step)
+        if self.forward_outputs:
+            self.links.next.queue(output)
+        return output
+
+    def _receive(self, kind: str, due: int) -> Any:
+        """The `kind` message of step `due` from the predecessor; the wait is a stall."""
         started = time.monotonic()
-        output: Output = self.control.recv("output")
+        msg = self.control.recv(kind)
         now = time.monotonic()
         self.stats.stalls_s += now - started
         sent = self.sent_at.pop(due, None)
         if sent is not None:
             self.stats.round_trip_s += now - sent
             self.stats.round_trips += 1
-        if output.step != due:
+        if msg.step != due:
             raise SequenceError(
-                f"{self.control.prefix} expected the output of step {due}, got step {output.step}"
+                f"{self.control.prefix} expected the {kind} of step {due}, got step {msg.step}"
             )
-        if self.forward_outputs:
-            self.links.next.queue(output)
-        return output
+        return msg
 
     def prefetch_output(self, until: float) -> bool:
         """Read the link until the due output is here or `until`; False: not by then."""
         return self.control.receiver.prefetch(until, want="output")
+
+
+class ShareSamplerTail(SeamTail):
+    """Stage 0 with the lm_head split: its forward hands on the seam like any non-last stage,
+    and each due output is sampled here from the last stage's share of the logits, then sent
+    round the ring (every other stage applies it too)."""
+
+    def __init__(
+        self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats, stage: Stage
+    ) -> None:
+        super().__init__(cfg, links, control, stats)
+        self.stage = stage
+
+    def take_output(self, batch: Batch) -> Output:
+        share: Share = self._receive("share", batch.step)
+        if share.digest != batch.digest:
+            raise DivergenceError(
+                f"{self.control.prefix} step {batch.step}: the last stage sent logits of a batch "
+                f"with digest {share.digest}, this stage decided {batch.digest}: the stages' "
+                "schedulers diverged"
+            )
+        started = time.monotonic()
+        result = self.stage.sample_share(
+            batch.chunks,
+            LogitsShare(
+                hidden=share.hidden,
+                logits=share.logits,
+                best_logit=share.best_logit,
+                best_token=share.best_token,
+            ),
+            **sampling_args(batch),
+        )
+        self.stats.busy_s += time.monotonic() - started  # compute, like a forward's
+        output = Output(
+            batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs, self.cfg.epoch
+        )
+        self.links.next.queue(output)
+        return output
+
+    def prefetch_output(self, until: float) -> bool:
+        return self.control.receiver.prefetch(until, want="share")
+
+
+class ShareTail:
+    """The last stage with the lm_head split: sends its share of each step's logits to stage 0,
+    which samples; the outputs come back from its predecessor like any stage's."""
+
+    def __init__(
+        self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
+    ) -> None:
+        self.cfg, self.links = cfg, links
+        self.outputs = SeamTail(cfg, links, control, stats)  # receives; never forwards
+
+    def sampling_args(self, batch: Batch) -> dict[str, Any]:
+        # Which rows are plain greedy decides what the share holds; no history is needed here.
+        return {"sampling": [e.req.sampling for e in batch.entries]}
+
+    def send_result(self, batch: Batch, share: StageOutput) -> None:
+        msg = Share(
+            batch.slot,
+            batch.step,
+            batch.digest,
+            share["hidden"],
+            share["logits"],
+            share["best_logit"],
+            share["best_token"],
+            self.cfg.epoch,
+        )
+        self.links.next.queue(msg)
+
+    def take_output(self, batch: Batch) -> Output:
+        return self.outputs.take_output(batch)
+
+    def prefetch_output(self, until: float) -> bool:
+        return self.outputs.prefetch_output(until)
+
+
+def sampling_args(batch: Batch) -> dict[str, Any]:
+    """What the sampling stage's `run` (or `sample_share`) takes besides the tensors: each
+    entry's sampling parameters, and its history where a repetition penalty needs it."""
+    sampling = [e.req.sampling for e in batch.entries]
+    # Only a repetition penalty needs the history; building it costs O(seq_len) per request.
+    histories = [
+        e.req.all_ids if e.chunk.sample and e.req.sampling.repetition_penalty != 1.0 else None
+        for e in batch.entries
+    ]
+    return {"sampling": sampling, "histories": histories}
 
 
 class SamplerTail:
@@ -214,22 +311,16 @@ class SamplerTail:
         self.own_outputs: dict[int, Output] = {}  # step -> output to apply later
 
     def sampling_args(self, batch: Batch) -> dict[str, Any]:
-        sampling = [e.req.sampling for e in batch.entries]
-        # Only a repetition penalty needs the history; building it costs O(seq_len) per request.
-        histories = [
-            e.req.all_ids if e.chunk.sample and e.req.sampling.repetition_penalty != 1.0 else None
-            for e in batch.entries
-        ]
-        return {"sampling": sampling, "histories": histories}
+        return sampling_args(batch)
 
     def send_result(self, batch: Batch, sample: StageOutput) -> None:
         """Send every output that is ready, and wait for those `depth` steps old."""
         self.pending.append((batch, sample))
         self._send_outputs(through=batch.step - self.cfg.pp_async_batch_depth)
 
-    def take_output(self, due: int) -> Output:
-        self._send_outputs(through=due)
-        return self.own_outputs.pop(due)
+    def take_output(self, batch: Batch) -> Output:
+        self._send_outputs(through=batch.step)
+        return self.own_outputs.pop(batch.step)
 
     def prefetch_output(self, until: float) -> bool:
         return True  # its own: nothing to receive
@@ -256,13 +347,24 @@ class SamplerTail:
                 self.links.next.queue(output)
 
 
+Tail = SeamTail | ShareSamplerTail | ShareTail | SamplerTail
+
+
 def build_roles(
-    cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
-) -> tuple[FrontendHead | RingHead, SeamTail | SamplerTail]:
+    cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats, stage: Stage
+) -> tuple[FrontendHead | RingHead, Tail]:
     head = (
         FrontendHead(cfg, links, control)
         if cfg.is_first_stage
         else RingHead(cfg, links, control, stats)
     )
-    tail = SamplerTail(cfg, links) if cfg.is_last_stage else SeamTail(cfg, links, control, stats)
+    tail: Tail
+    if cfg.is_last_stage:
+        tail = (
+            ShareTail(cfg, links, control, stats) if cfg.split_lm_head else SamplerTail(cfg, links)
+        )
+    elif cfg.is_first_stage and cfg.split_lm_head:
+        tail = ShareSamplerTail(cfg, links, control, stats, stage)
+    else:
+        tail = SeamTail(cfg, links, control, stats)
     return head, tail

@@ -4,9 +4,11 @@ Its forward takes `t0_s + t_token_s * T` from `launch` (no CPU burned, like GPU 
 prepares the next step meanwhile and sleeps only when it must wait for the result), passes seam
 tensors of the configured width, and its last stage "samples" a token that depends
 only on (request seed, position), so a test knows every token each request must receive
-(`expected_token`). `sample_delay_s` models the last stage's straggler: the sampled tokens are
-ready that long after the forward ends, while the stage itself can already run the next batch
-(an asynchronous device-to-host copy); the loop waits for them only when it must send them.
+(`expected_token`); with `split_lm_head` the last stage sends those tokens as its share's best
+tokens and the first stage "samples" them from it. `sample_delay_s` models the last stage's
+straggler: the sampled tokens are ready that long after the forward ends, while the stage itself
+can already run the next batch (an asynchronous device-to-host copy); the loop waits for them
+only when it must send them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages.batch import SampleResult, SeqChunk
-from stages.contract import FinishedStep, Seam, Stage, StageOutput, StepHandle
+from stages.contract import FinishedStep, LogitsShare, Seam, Stage, StageOutput, StepHandle
 
 SIM_VOCAB = 50_000
 SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
@@ -63,9 +65,11 @@ class SimStage(Stage):
         sample_delay_s: float = 0.0,
         hidden_size: int = 64,
         overlap: bool = True,
+        split_lm_head: bool = False,
     ) -> None:
         self.is_first_stage = is_first_stage
         self.is_last_stage = is_last_stage
+        self.split_lm_head = split_lm_head
         self._num_kv_blocks = num_kv_blocks
         self.t0_s = t0_s
         self.t_token_s = t_token_s
@@ -152,7 +156,27 @@ class SimStage(Stage):
                 params = sampling[i] if sampling is not None else None
                 seed = params.seed if params is not None and params.seed is not None else 0
                 tokens.append(expected_token(seed, chunk.seq_len))
+        if self.split_lm_head:
+            return LogitsShare(
+                hidden=torch.zeros(len(tokens), self.hidden_size),
+                logits=torch.empty(0),
+                best_logit=torch.zeros(len(tokens)),
+                best_token=torch.tensor(tokens, dtype=torch.int64),
+            )
         return SampleResult(token_ids=tokens)
+
+    def sample_share(
+        self,
+        chunks: list[SeqChunk],
+        share: LogitsShare,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> SampleResult:
+        """The first stage "samples" the tokens the last one put in its share."""
+        num_sampled = sum(chunk.sample for chunk in chunks)
+        if len(share["best_token"]) != num_sampled:
+            raise ValueError(f"share has {len(share['best_token'])} rows for {num_sampled}")
+        return SampleResult(token_ids=share["best_token"].tolist())
 
 
 @dataclass
@@ -181,6 +205,7 @@ class SimForward(StepHandle):
             ended = stage._wait_until(self.ends_at, self.ends_at - self.started)
             self.ended_at = min(ended, self.ends_at)  # a late loop does not make it busier
             stage.busy_s += self.ended_at - self.started
-        if stage.sample_delay_s > 0 and stage.is_last_stage and self.ends_at > self.started:
+        delayed = stage.is_last_stage and not stage.split_lm_head
+        if stage.sample_delay_s > 0 and delayed and self.ends_at > self.started:
             return DeferredSample(self.ends_at + stage.sample_delay_s, self.output)
         return self.output

@@ -9,7 +9,9 @@ The ring drives any `Stage` the same way:
 
 A non-last stage returns the seam, {"hidden_states": [T, d], "residual": [T, d]}, which the next
 stage's `run` takes as keyword arguments; the last stage returns a `Sample`: a `SampleResult`,
-or tokens still on their way from the device (`is_ready()` False until then). The real stage
+or tokens still on their way from the device (`is_ready()` False until then). With the lm_head
+split (`split_lm_head`), the last stage returns its `LogitsShare` instead, and the first stage
+finishes the logits and samples (`sample_share`). The real stage
 (`stages.runner.StageRunner`) and the ring's simulated one (`ring.sim_stage.SimStage`) both
 implement this, and `ring/loop.py` imports only this module of them, so the loop never imports
 torch (tensors pass through it, untouched, as opaque objects).
@@ -37,6 +39,18 @@ class Seam(TypedDict):
     residual: torch.Tensor  # [T, d]; the un-added residual of the fused add+RMSNorm
 
 
+class LogitsShare(TypedDict):
+    """With the lm_head split, what the last stage hands the first for a step's sampled rows:
+    the first multiplies `hidden` by its vocabulary rows [0, cut) and samples over both parts.
+    For a batch whose every row is plain greedy, only each row's best logit of [cut, V) and its
+    token id travel (`best_logit`, `best_token`; `logits` is empty); otherwise all of them."""
+
+    hidden: torch.Tensor  # [N, d]: the final norm's output, what the lm_head multiplies
+    logits: torch.Tensor  # [N, V - cut], or [0] when greedy
+    best_logit: torch.Tensor  # [N] (greedy), or [0]
+    best_token: torch.Tensor  # [N] int64 token ids in [cut, V) (greedy), or [0]
+
+
 class Sample(Protocol):
     """The last stage's sampled tokens: ready at once (`SampleResult`) or later (a device copy)."""
 
@@ -45,7 +59,7 @@ class Sample(Protocol):
     def wait(self) -> SampleResult: ...
 
 
-StageOutput = Seam | Sample
+StageOutput = Seam | Sample | LogitsShare
 
 
 class StepHandle(ABC):
@@ -86,6 +100,9 @@ class Stage(ABC):
 
     is_first_stage: bool
     is_last_stage: bool
+    # The lm_head split between the first and the last stage: the last returns a LogitsShare,
+    # the first samples it (the ring's RingConfig.split_lm_head must say the same).
+    split_lm_head: bool = False
 
     @property
     @abstractmethod
@@ -135,11 +152,27 @@ class Stage(ABC):
         output = self.run(chunks, hidden_states, residual, sampling, histories)
         return FinishedStep(output, seam=not self.is_last_stage)
 
+    def sample_share(
+        self,
+        chunks: list[SeqChunk],
+        share: LogitsShare,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> SampleResult:
+        """First stage, lm_head split: finish the logits of the step that ran `chunks` with the
+        last stage's share, and sample (arguments as in `run`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not split the lm_head")
+
     def empty_output(self) -> StageOutput:
         """The output of an empty micro-batch: the ring still sends one per step (its steps must
         stay consecutive), but no stage runs a forward for it."""
-        if self.is_last_stage:
+        if self.is_last_stage and not self.split_lm_head:
             return SampleResult(token_ids=[])
         import torch  # only here: the loop that calls this imports no torch
 
+        if self.is_last_stage:
+            empty = torch.empty(0)
+            return LogitsShare(
+                hidden=torch.empty(0, 0), logits=empty, best_logit=empty, best_token=empty
+            )
         return Seam(hidden_states=torch.empty(0, 0), residual=torch.empty(0, 0))

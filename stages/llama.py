@@ -127,7 +127,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaStage(nn.Module):
     """Layers [start, end) of a Llama model, plus the embedding on the first stage and the final
-    norm and lm_head on the last. `weights` is consumed (its tensors move into the module)."""
+    norm and lm_head on the last. `weights` is consumed (its tensors move into the module).
+
+    `head_rows` ([lo, hi) of the vocabulary): the lm_head rows this stage multiplies by; None
+    means all of them on the last stage and none elsewhere. With the lm_head split the first
+    stage holds [0, cut) and the last [cut, V) (stages/partition.py `lm_head_rows`)."""
 
     def __init__(
         self,
@@ -136,6 +140,7 @@ class LlamaStage(nn.Module):
         start: int,
         end: int,
         kind: Kind | None = None,
+        head_rows: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -158,12 +163,19 @@ class LlamaStage(nn.Module):
             self._begin = self._embed
         else:
             self._begin = self._receive
+        if head_rows is None and self.is_last_stage:
+            head_rows = (0, config.vocab_size)
+        self.head_rows = head_rows
         if self.is_last_stage:
             self.final_norm = _param(weights.pop(FINAL_NORM))  # [d]
-            head = weights.pop(LM_HEAD)
+        if head_rows is not None:
+            head = weights.pop(LM_HEAD)  # [V, d]
+            whole = head_rows == (0, head.shape[0])
             tied = self.is_first_stage and head.data_ptr() == self.embed_tokens.data_ptr()
-            self.lm_head = kind.linear(self.embed_tokens if tied else head)  # [V, d]
-            if tied and hasattr(self.lm_head, "rows"):
+            # Part of the matrix: a copy of its rows, so the whole one can be freed.
+            rows = head if whole else head[head_rows[0] : head_rows[1]].clone()
+            self.lm_head = kind.linear(rows)  # [hi - lo, d]
+            if tied and whole and hasattr(self.lm_head, "rows"):
                 # Tied on one stage: the lm_head (in whatever layout it keeps the matrix) also
                 # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
                 # cannot: the embedding stays exact in its own copy.
@@ -184,15 +196,21 @@ class LlamaStage(nn.Module):
         assert residual is not None  # every stage has at least one layer
         return h, residual
 
-    def compute_logits(
+    def final_hidden(
         self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Last stage: final norm of h + r, then lm_head, only for `rows` ([N] long) or for all
-        T rows when None. Returns [N, V] in the stage dtype."""
+        """Last stage: the final norm of h + r, only for `rows` ([N] long) or for all T rows
+        when None. Returns [N, d] in the stage dtype: what the lm_head multiplies."""
         if rows is not None:  # the norm is per row, so select first: [N, d]
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
         x, _ = self.ops.add_rms_norm(h, residual, self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(x)
+        return x
+
+    def compute_logits(
+        self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Last stage: final norm, then this stage's lm_head rows. Returns [N, hi - lo]."""
+        return self.lm_head(self.final_hidden(h, residual, rows))
 
     def _embed(
         self,

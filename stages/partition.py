@@ -9,6 +9,9 @@ Two rules, picked by `--partition-rule` (PPRING_LAYER_PARTITION=a,b,... override
   For SmolLM2 the lm_head (49,152 x 576) is about seven layers of decode work: at PP=2 the
   seed's [15, 15] left stage 0 waiting 43% of the time for the last stage; `cost` gives
   [17, 13].
+  With the lm_head split (`--split-lm-head`, the CPU default at PP >= 2), the first and the
+  last stage each multiply by half of the vocabulary and the first one samples, so that decode's
+  extra work no longer sits on one stage: SmolLM2 then splits [15, 15] at PP=2.
 - `seed` (DESIGN.md §4): every stage gets `L // S` layers and the remainder `x` goes one layer
   each to the `x` stages just before the last. That is the same as "all but the last" when
   `x = S - 1`, and "the middle stages, first and last excluded" when `S > 2` and `x <= S - 2`:
@@ -43,14 +46,36 @@ COST_CONTEXT_TOKENS = 512
 DECODE_SHARE = 0.6
 
 
+def vocab_cut(vocab_size: int) -> int:
+    """With the lm_head split, the first stage multiplies by vocabulary rows [0, cut) and the
+    last by [cut, V): half each, the cut on a multiple of 16 (the CPU kernels' panel width, so
+    both halves pack without padding)."""
+    return max(vocab_size // 2 // 16 * 16, 1)
+
+
+def lm_head_rows(
+    vocab_size: int, is_first: bool, is_last: bool, split: bool
+) -> tuple[int, int] | None:
+    """The vocabulary rows [lo, hi) of the lm_head that a stage multiplies by: all of them on
+    the last stage, or with the split half on the first and half on the last; None for a stage
+    that has none."""
+    if not split or (is_first and is_last):
+        return (0, vocab_size) if is_last else None
+    cut = vocab_cut(vocab_size)
+    return (0, cut) if is_first else (cut, vocab_size) if is_last else None
+
+
 @dataclass(frozen=True)
 class StageCosts:
     """Per token through the ring, in FLOPs: one layer, and what the first and the last stage
-    add (the last one's lm_head weighted by the share of decode tokens)."""
+    add (the lm_head weighted by the share of decode tokens). With `split_lm_head` the first
+    stage multiplies by its half of the vocabulary and samples, the last by the other half."""
 
     layer: float
     first_extra: float  # embedding lookup
     last_extra: float  # final norm, lm_head, sampling
+    split_lm_head: bool = False
+    first_head_share: float = 0.0  # of last_extra, moved to the first stage by the split
 
     @classmethod
     def for_model(
@@ -58,6 +83,7 @@ class StageCosts:
         config: ModelConfig,
         context: int = COST_CONTEXT_TOKENS,
         decode_share: float = DECODE_SHARE,
+        split_lm_head: bool = False,
     ) -> StageCosts:
         d, head_dim = config.hidden_size, config.head_dim
         q_size = config.num_heads * head_dim
@@ -66,19 +92,28 @@ class StageCosts:
         attention = 4 * context * q_size  # q.k and p.v over the context, every query head
         elementwise = 20 * d + 4 * config.intermediate_size  # norms, RoPE, SiLU: small
         vocab = config.vocab_size
+        # the lm_head matmul and the sampler's few passes over the logits, for the decode
+        # tokens only; the final norm for every token
+        last_extra = decode_share * (2 * vocab * d + 8 * vocab) + 10 * d
+        first_head = decode_share * (2 * vocab_cut(vocab) * d + 8 * vocab)  # its rows, sampling
         return cls(
             layer=2 * weights + attention + elementwise,
             first_extra=d,
-            # the lm_head matmul and the sampler's few passes over the logits, for the decode
-            # tokens only; the final norm for every token
-            last_extra=decode_share * (2 * vocab * d + 8 * vocab) + 10 * d,
+            last_extra=last_extra,
+            split_lm_head=split_lm_head,
+            first_head_share=first_head / last_extra,
         )
 
     def stage_cost(self, rank: int, num_layers: int, pp_size: int) -> float:
         """What stage `rank` of `pp_size` costs when it holds `num_layers` layers."""
         cost = num_layers * self.layer
         cost += self.first_extra if rank == 0 else 0.0
-        return cost + (self.last_extra if rank == pp_size - 1 else 0.0)
+        moved = self.first_head_share * self.last_extra if self.split_lm_head else 0.0
+        if pp_size > 1 and rank == 0:
+            cost += moved
+        if rank == pp_size - 1:
+            cost += self.last_extra - (moved if pp_size > 1 else 0.0)
+        return cost
 
     def stage_costs(self, partition: list[int]) -> list[float]:
         return [self.stage_cost(r, n, len(partition)) for r, n in enumerate(partition)]
@@ -175,10 +210,13 @@ def partition_from_env(
     return partition_layers(num_layers, pp_size, os.environ.get(PARTITION_ENV), rule, costs)
 
 
-def partition_for_model(config: ModelConfig, pp_size: int, rule: str = "cost") -> list[int]:
+def partition_for_model(
+    config: ModelConfig, pp_size: int, rule: str = "cost", split_lm_head: bool = False
+) -> list[int]:
     """The split every stage of a ring over `config` computes alike: the override if set, else
     `rule` with costs derived from the model's shape."""
-    return partition_from_env(config.num_layers, pp_size, rule, StageCosts.for_model(config))
+    costs = StageCosts.for_model(config, split_lm_head=split_lm_head)
+    return partition_from_env(config.num_layers, pp_size, rule, costs)
 
 
 def parse_partition(text: str, num_layers: int, pp_size: int) -> list[int]:

@@ -15,13 +15,19 @@ from protocol.sampling import SamplingParams
 from stages import native
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
-from stages.contract import Seam, Stage, StageOutput
+from stages.contract import LogitsShare, Seam, Stage, StageOutput
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
 from stages.linear import check_quantization
 from stages.llama import Kind, LlamaStage
-from stages.partition import layer_range, partition_for_model, partition_layers
+from stages.partition import (
+    layer_range,
+    lm_head_rows,
+    partition_for_model,
+    partition_layers,
+    vocab_cut,
+)
 from stages.sampler import GREEDY, sample
 from stages.weights import load_stage_weights, to_torch_dtype
 
@@ -43,7 +49,10 @@ class StageRunner(Stage):
         rank: int | None = None,
         num_threads: int | None = None,
         quantization: str = "none",
+        split_lm_head: bool = False,
     ) -> None:
+        """`split_lm_head`: the first and the last stage each multiply by half of the
+        vocabulary and the first samples (a one-stage ring has nothing to split)."""
         if num_threads is not None:
             # One stage per process: stages sharing a host must split its cores, or their
             # OpenMP thread pools fight and every op slows down many times over.
@@ -55,6 +64,11 @@ class StageRunner(Stage):
                 f"{self.config.num_layers} layers"
             )
         self.start_layer, self.end_layer = start_layer, end_layer
+        is_first, is_last = start_layer == 0, end_layer == self.config.num_layers
+        self.split_lm_head = split_lm_head and not (is_first and is_last)
+        vocab = self.config.vocab_size
+        self.vocab_cut = vocab_cut(vocab) if self.split_lm_head else 0
+        head_rows = lm_head_rows(vocab, is_first, is_last, self.split_lm_head)
         self.device = torch.device(device)
         if isinstance(dtype, str) and dtype == "auto":
             self.dtype = resolve_dtype("auto", self.device, self.config.torch_dtype).dtype
@@ -65,15 +79,37 @@ class StageRunner(Stage):
         check_quantization(quantization, self.device, kernels, kernels_reason)
         self.quantization = quantization
         weights = load_stage_weights(
-            model_dir, self.config, start_layer, end_layer, self.dtype, self.device
+            model_dir,
+            self.config,
+            start_layer,
+            end_layer,
+            self.dtype,
+            self.device,
+            lm_head=head_rows is not None,
         )
         self.num_tensors_read = weights.num_tensors_read
         kind = Kind.build(kernels, quantization)
-        self.model = LlamaStage(self.config, weights.tensors, start_layer, end_layer, kind)
+        self.model = LlamaStage(
+            self.config, weights.tensors, start_layer, end_layer, kind, head_rows
+        )
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
         # What `run` does with the layers' output is fixed by the role, chosen once here.
-        self._finish = self._sample if self.is_last_stage else self._hand_on
+        self._finish = (
+            self._hand_on
+            if not self.is_last_stage
+            else self._share
+            if self.split_lm_head
+            else self._sample
+        )
+        if self.model.head_rows is not None and self.split_lm_head:
+            logger.info(
+                "%s lm_head split: this stage multiplies by vocabulary rows [%d, %d) of %d%s",
+                self.log_prefix,
+                *self.model.head_rows,
+                vocab,
+                "; it samples" if is_first else "",
+            )
         # Where the kernels run, attention reads the paged cache in place; elsewhere torch
         # gathers each context's K and V for SDPA (stages/attention.py).
         self.attention = "paged" if kernels is not None else "gather"
@@ -121,13 +157,14 @@ class StageRunner(Stage):
         num_threads: int | None = None,
         quantization: str = "none",
         partition_rule: str = "cost",
+        split_lm_head: bool = False,
     ) -> StageRunner:
         """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
         else `partition_rule` (stages/partition.py)."""
         config = ModelConfig.from_folder(model_dir)
         num_layers = config.num_layers
         if partition is None:
-            partition = partition_for_model(config, pp_size, partition_rule)
+            partition = partition_for_model(config, pp_size, partition_rule, split_lm_head)
         else:
             partition = partition_layers(num_layers, pp_size, ",".join(map(str, partition)))
         start, end = layer_range(partition, rank)
@@ -141,6 +178,7 @@ class StageRunner(Stage):
             rank=rank,
             num_threads=num_threads,
             quantization=quantization,
+            split_lm_head=split_lm_head,
         )
 
     @property
@@ -200,8 +238,8 @@ class StageRunner(Stage):
     ) -> torch.Tensor:
         """Last stage: run `chunks` and return fp32 logits, [T, V] for every row if `all_rows`,
         else [num_sampled, V] for the sampled rows. For parity tests and tools."""
-        if not self.is_last_stage:
-            raise ValueError(f"{self.log_prefix} is not the last stage; it has no lm_head")
+        if not self.is_last_stage or self.split_lm_head:
+            raise ValueError(f"{self.log_prefix} is not the last stage of an unsplit lm_head")
         inputs, h, residual = self._forward(chunks, hidden_states, residual)
         rows = None if all_rows else inputs.sample_rows
         with torch.inference_mode():
@@ -245,10 +283,90 @@ class StageRunner(Stage):
             return SampleResult(token_ids=[])
         with torch.inference_mode():
             logits = self.model.compute_logits(h, residual, inputs.sample_rows)  # [N, V]
-            return sample(
-                logits,
-                [(sampling[i] if sampling is not None else None) or GREEDY for i in picked],
-                # A token's seed position is where it lands in the sequence.
-                [chunks[i].seq_len for i in picked],
-                None if histories is None else [histories[i] for i in picked],
+            return _sample_picked(logits, chunks, sampling, histories)
+
+    def _share(
+        self,
+        chunks: list[SeqChunk],
+        inputs: ForwardInputs,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        sampling: Sequence[SamplingParams | None] | None,
+        histories: Sequence[Sequence[int] | None] | None,
+    ) -> LogitsShare:
+        """Last stage, lm_head split: its part of the sampled rows' logits, for the first stage.
+        A batch of plain greedy rows needs only each row's best logit: 16 bytes a row travel
+        instead of (V - cut) logits."""
+        params = _picked_params(chunks, sampling)
+        empty = torch.empty(0)
+        with torch.inference_mode():
+            x = self.model.final_hidden(h, residual, inputs.sample_rows)  # [N, d]
+            part = self.model.lm_head(x)  # [N, V - cut]
+            if not all(_plain_greedy(p) for p in params):
+                return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
+            best = part.argmax(dim=-1)  # [N]: the first of equal maxima, as argmax over all V
+            best_logit = part.gather(1, best[:, None]).squeeze(1)  # [N]
+            return LogitsShare(
+                hidden=x, logits=empty, best_logit=best_logit, best_token=best + self.vocab_cut
             )
+
+    def sample_share(
+        self,
+        chunks: list[SeqChunk],
+        share: LogitsShare,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> SampleResult:
+        """First stage, lm_head split: its rows [0, cut) of the logits, joined with the last
+        stage's share, sampled as one [N, V] (so every draw equals the unsplit ring's)."""
+        if not (self.split_lm_head and self.is_first_stage):
+            raise ValueError(f"{self.log_prefix} does not sample a split lm_head")
+        picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
+        if not picked:
+            return SampleResult(token_ids=[])
+        with torch.inference_mode():
+            own = self.model.lm_head(share["hidden"].to(self.device, self.dtype))  # [N, cut]
+            if share["best_token"].numel():  # plain greedy: the better of two maxima
+                best_own = own.argmax(dim=-1)  # [N]
+                own_logit = own.gather(1, best_own[:, None]).squeeze(1)
+                theirs = share["best_logit"].to(self.device, own.dtype)
+                # A tie goes to the lower token id, as argmax over the whole row would.
+                tokens = torch.where(
+                    theirs > own_logit, share["best_token"].to(self.device), best_own
+                )
+                return SampleResult(token_ids=tokens.tolist())
+            logits = torch.cat((own, share["logits"].to(self.device, own.dtype)), dim=1)  # [N, V]
+            return _sample_picked(logits, chunks, sampling, histories)
+
+
+def _sample_picked(
+    logits: torch.Tensor,
+    chunks: list[SeqChunk],
+    sampling: Sequence[SamplingParams | None] | None,
+    histories: Sequence[Sequence[int] | None] | None,
+) -> SampleResult:
+    """Sample logits [N, V] of the chunks that sample, with their parameters and histories."""
+    picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
+    return sample(
+        logits,
+        _picked_params(chunks, sampling),
+        # A token's seed position is where it lands in the sequence.
+        [chunks[i].seq_len for i in picked],
+        None if histories is None else [histories[i] for i in picked],
+    )
+
+
+def _picked_params(
+    chunks: list[SeqChunk], sampling: Sequence[SamplingParams | None] | None
+) -> list[SamplingParams]:
+    """The sampling parameters of the chunks that sample, greedy where none were given."""
+    return [
+        (sampling[i] if sampling is not None else None) or GREEDY
+        for i, chunk in enumerate(chunks)
+        if chunk.sample
+    ]
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Argmax of the raw logits and nothing else: no penalty to apply, no logprob to report."""
+    return params.is_greedy and params.repetition_penalty == 1.0 and not params.logprobs

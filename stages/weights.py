@@ -55,16 +55,22 @@ def to_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
-def stage_tensor_names(config: ModelConfig, start: int, end: int) -> list[str]:
-    """Checkpoint names stage [start, end) needs. With tied embeddings the last stage lists the
-    embedding in place of lm_head, since that is what it reads."""
+def stage_tensor_names(
+    config: ModelConfig, start: int, end: int, lm_head: bool | None = None
+) -> list[str]:
+    """Checkpoint names stage [start, end) needs. `lm_head`: it multiplies by (some of) the
+    lm_head; None means "if it is the last stage" (the first one also does, with the lm_head
+    split). With tied embeddings the embedding is listed in place of lm_head, since that is what
+    it reads."""
     names = []
+    is_last = end == config.num_layers
     if start == 0:
         names.append(EMBED)
     for layer in range(start, end):
         names.extend(f"model.layers.{layer}.{suffix}" for suffix in LAYER_TENSORS)
-    if end == config.num_layers:
+    if is_last:
         names.append(FINAL_NORM)
+    if is_last if lm_head is None else lm_head:
         head = EMBED if config.tie_word_embeddings else LM_HEAD
         if head not in names:
             names.append(head)
@@ -78,10 +84,13 @@ def load_stage_weights(
     end: int,
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    lm_head: bool | None = None,
 ) -> StageWeights:
+    """`lm_head` as in stage_tensor_names: the whole matrix is loaded under LM_HEAD (the stage
+    keeps its rows)."""
     folder = Path(folder)
     torch_dtype = to_torch_dtype(dtype)
-    names = stage_tensor_names(config, start, end)
+    names = stage_tensor_names(config, start, end, lm_head)
     locations = _tensor_locations(folder)
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -99,7 +108,7 @@ def load_stage_weights(
                 tensor = handle.get_tensor(name)
                 tensors[name] = tensor.to(device=device, dtype=torch_dtype, copy=True)
                 num_read += 1
-    if end == config.num_layers:
+    if end == config.num_layers if lm_head is None else lm_head:
         tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
     return StageWeights(tensors=tensors, num_tensors_read=num_read)
 

@@ -19,6 +19,7 @@ AGREED = {
     "--dtype",
     "--quantization",
     "--partition-rule",
+    "--split-lm-head",
 }
 
 
@@ -52,7 +53,22 @@ def test_ring_config_fills_each_field_from_its_flag():
             assert getattr(cfg, flag.field) == other_value(flag), flag.name
     filled = {flag.field for flag in FLAGS if flag.field}
     per_process = {"rank", "debug_fault", "epoch"}  # epoch: the launcher's, per start
-    assert filled == {f.name for f in dataclasses.fields(RingConfig)} - per_process
+    resolved = {"split_lm_head"}  # from --split-lm-head with --pp-size and --device
+    assert filled == {f.name for f in dataclasses.fields(RingConfig)} - per_process - resolved
+
+
+def test_split_lm_head_auto_splits_real_cpu_rings_of_two_stages_or_more():
+    def split(*argv: str) -> bool:
+        return ring_config(local.parse_args(list(argv)), rank=0).split_lm_head
+
+    assert split("--pp-size", "2")
+    assert not split("--pp-size", "1")
+    assert not split("--pp-size", "1", "--split-lm-head", "on")  # nothing to split
+    assert not split("--pp-size", "2", "--split-lm-head", "off")
+    assert not split("--pp-size", "2", "--device", "cuda")
+    assert split("--pp-size", "2", "--device", "cuda", "--split-lm-head", "on")
+    assert not split("--pp-size", "2", "--stage-impl", "sim")
+    assert split("--pp-size", "3", "--stage-impl", "sim", "--split-lm-head", "on")
 
 
 def test_a_flag_left_at_none_is_not_written():

@@ -36,6 +36,7 @@ def sim_ring(
             t_token_s=spec.t_token_s,
             sample_delay_s=spec.sample_delay_s if stage_cfg.is_last_stage else 0.0,
             overlap=spec.overlap,
+            split_lm_head=stage_cfg.split_lm_head,
         )
 
     return ThreadRing(cfg, make, ModelInfo(context_length=context_length), f"t{next(_run_ids)}")

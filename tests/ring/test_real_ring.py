@@ -28,8 +28,9 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("pp_size", "depth"), [(2, 0), (3, 1)])
-def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_size, depth):
+@pytest.mark.parametrize(("pp_size", "depth", "split"), [(2, 0, False), (2, 0, True), (3, 1, True)])
+def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_size, depth, split):
+    """`split`: the lm_head split between the first and the last stage, the first sampling."""
     folder, model = tiny
     rng = random.Random(pp_size)
     requests = [
@@ -39,13 +40,15 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_si
     ]  # fmt: skip
     cfg = RingConfig(
         pp_size=pp_size, pp_async_batch_depth=depth, max_running_requests=6,
-        chunked_prefill_size=64,
+        chunked_prefill_size=64, split_lm_head=split,
     )  # fmt: skip
     partition = [4 // pp_size + (i < 4 % pp_size) for i in range(pp_size)]
 
     def make(c: RingConfig) -> StageRunner:
         start, end = layer_range(partition, c.rank)
-        return StageRunner(folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank)
+        return StageRunner(
+            folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank, split_lm_head=split
+        )
 
     with ThreadRing(cfg, make, ModelInfo(context_length=512), f"real{pp_size}") as ring:
         ring.driver.submit_many(requests)
@@ -107,3 +110,44 @@ def test_aborts_in_a_ring_of_real_stages_free_their_kv_and_leave_the_others_exac
                 torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False
             )
         assert driver.tokens[rid] == out[0, len(prompt) :].tolist(), rid
+
+
+@pytest.mark.timeout(120)
+def test_a_split_lm_head_samples_exactly_as_the_unsplit_ring(tiny):
+    """Seeded sampling (temperature, top-k, top-p, min-p), logprobs and a repetition penalty:
+    with the lm_head split the first stage samples the joined logits, so every token and logprob
+    equals the unsplit ring's (the greedy shortcut, best logits only, is in the test above)."""
+    folder, _ = tiny
+    rng = random.Random(5)
+    kinds = [
+        SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=1.2, top_k=20, seed=2, logprobs=True,
+                       ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=True, ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.5,
+                       ignore_eos=True),
+        SamplingParams(max_new_tokens=8, temperature=0.7, min_p=0.1, seed=3, ignore_eos=True),
+    ]  # fmt: skip
+    requests = [
+        (f"r{i}", [rng.randrange(3, 256) for _ in range(rng.randint(5, 60))], kinds[i % 5])
+        for i in range(10)
+    ]
+    results = {}
+    for split in (False, True):
+        cfg = RingConfig(pp_size=2, max_running_requests=6, split_lm_head=split)
+
+        def make(c: RingConfig, split: bool = split) -> StageRunner:
+            start, end = layer_range([2, 2], c.rank)
+            return StageRunner(
+                folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank, split_lm_head=split
+            )
+
+        with ThreadRing(cfg, make, ModelInfo(context_length=512), f"split{split}") as ring:
+            ring.driver.submit_many(requests)
+            ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
+            results[split] = (dict(ring.driver.tokens), dict(ring.driver.logprobs))
+    tokens, logprobs = results[True]
+    assert tokens == results[False][0]
+    for rid, values in logprobs.items():
+        assert values == pytest.approx(results[False][1][rid], abs=1e-5), rid
+    assert all(v is not None for v in logprobs["r1"])  # the logprobs path really ran

@@ -71,6 +71,28 @@ def test_a_stage_without_overlap_gets_the_same_tokens(pp_size, depth):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("pp_size", "depth", "overlap"), [(2, 0, True), (2, 0, False), (3, 1, True), (4, 2, False)]
+)
+def test_a_split_lm_head_gets_every_request_exactly_its_tokens(pp_size, depth, overlap):
+    """Stage 0 samples from the last stage's share and sends the output round the ring: every
+    stage applies the same tokens at the same step (a lost or reordered share is a step gap)."""
+    rng = random.Random(200 + pp_size * 10 + depth)
+    cfg = RingConfig(
+        pp_size=pp_size,
+        pp_async_batch_depth=depth,
+        max_running_requests=16,
+        chunked_prefill_size=128,
+        split_lm_head=True,
+    )
+    requests = random_requests(rng, 80)
+    with sim_ring(cfg, SimSpec(t0_s=0.0005, overlap=overlap)) as ring:
+        submit_at_random_times(ring, requests, rng)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
+        assert_all_exact(ring, requests)
+
+
+@pytest.mark.timeout(120)
 def test_stop_token_ids_finish_a_request_with_stop():
     rng = random.Random(5)
     requests = random_requests(rng, 40, max_new=30)

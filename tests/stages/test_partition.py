@@ -153,6 +153,30 @@ def test_cost_rule_gives_the_lm_head_stage_fewer_layers() -> None:
     assert abs(shares[0] - shares[1]) < 0.01 and abs(sum(shares) - 1) < 1e-9
 
 
+def test_a_split_lm_head_weighs_on_the_first_and_the_last_stage() -> None:
+    from stages.partition import StageCosts, lm_head_rows, partition_for_model, vocab_cut
+
+    smol = llama_config(*SMOLLM2)
+    # Half the vocabulary each, so decode's extra work no longer calls for an uneven split.
+    assert partition_for_model(smol, 2, "cost", split_lm_head=True) == [15, 15]
+    assert partition_for_model(smol, 3, "cost", split_lm_head=True) == [9, 12, 9]
+    big = llama_config(*LLAMA_3_8B)
+    assert partition_for_model(big, 2, "cost", split_lm_head=True) == [16, 16]
+    shares = StageCosts.for_model(smol, split_lm_head=True).shares([15, 15])
+    assert abs(shares[0] - shares[1]) < 0.01
+    # One stage: nothing moves, whatever the flag.
+    one = StageCosts.for_model(smol, split_lm_head=True)
+    assert one.stage_costs([30]) == StageCosts.for_model(smol).stage_costs([30])
+    cut = vocab_cut(49152)
+    assert cut == 24576 and vocab_cut(32001) % 16 == 0
+    assert lm_head_rows(49152, True, False, True) == (0, cut)  # (first, last, split)
+    assert lm_head_rows(49152, False, False, True) is None
+    assert lm_head_rows(49152, False, True, True) == (cut, 49152)
+    assert lm_head_rows(49152, True, True, True) == (0, 49152)
+    assert lm_head_rows(49152, True, False, False) is None
+    assert lm_head_rows(49152, False, True, False) == (0, 49152)
+
+
 def test_cost_rule_is_the_least_max_split_and_even_where_it_can_be() -> None:
     import itertools
 

@@ -149,3 +149,40 @@ def test_later_stage_reads_seam_tensors_without_writing(tiny_dirs: dict[str, Pat
     logits = chain.stages[1].forward_logits(chunks, **received)
     assert torch.isfinite(logits).all()
     assert all(bytes(t.numpy().tobytes()) == frames[n] for n, t in received.items())
+
+
+@pytest.mark.parametrize("name", ["gqa", "tied"])
+def test_a_split_lm_head_gives_the_unsplit_logits_and_tokens(
+    tiny_dirs: dict[str, Path], name: str
+) -> None:
+    """The first stage's rows [0, cut) joined with the last stage's share are the unsplit
+    logits bit for bit, so greedy (best logits only) and seeded draws (all logits) agree."""
+    folder = tiny_dirs[name]
+    whole = [StageRunner(folder, *r, kv_budget_bytes=KV_BUDGET) for r in ((0, 2), (2, 4))]
+    split = [
+        StageRunner(folder, *r, kv_budget_bytes=KV_BUDGET, split_lm_head=True)
+        for r in ((0, 2), (2, 4))
+    ]
+    for stage in whole + split:
+        stage.allocate_kv(stage.num_kv_blocks)
+    chunks = [
+        SeqChunk([5, 6, 7], 0, [0], sample=True),
+        SeqChunk([9], 0, [1], sample=False),
+        SeqChunk([11, 12], 0, [2], sample=True),
+    ]
+    logits = whole[1].forward_logits(chunks, **whole[0].run(chunks))  # [2, V]
+    cut = split[1].vocab_cut
+    assert split[0].model.head_rows == (0, cut) and split[1].model.head_rows == (cut, 256)
+    seam = split[0].run(chunks)
+    greedy = split[1].run(chunks, **seam)  # plain greedy: the best logit of [cut, V) only
+    assert greedy["logits"].numel() == 0 and greedy["best_token"].min() >= cut
+    assert split[0].sample_share(chunks, greedy).token_ids == logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0.9, seed=7, logprobs=True)] * 3
+    share = split[1].run(chunks, **seam, sampling=params)  # all of [cut, V)
+    with torch.inference_mode():
+        joined = torch.cat((split[0].model.lm_head(share["hidden"]), share["logits"]), dim=1)
+    assert torch.equal(joined, logits)
+    drawn = split[0].sample_share(chunks, share, sampling=params)
+    assert drawn == whole[1].run(chunks, **whole[0].run(chunks), sampling=params)
+    with pytest.raises(ValueError, match="does not sample"):
+        split[1].sample_share(chunks, share)
