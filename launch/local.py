@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -32,6 +33,19 @@ logger = logging.getLogger("ppring")
 SUPERVISE_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 600.0
 SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def say(text: str) -> None:
+    """Print a status line to stdout. A reader that went away (a closed pipe) is not the
+    launcher's problem: it keeps serving and shuts down on SIGTERM as before, and stdout goes
+    to /dev/null from then on (so the exit's own flush cannot fail either)."""
+    try:
+        print(text, flush=True)
+    except OSError:  # BrokenPipeError and the like
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -184,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for line in startup.lines:
-        print(line, flush=True)
+        say(line)
     addrs = RingAddresses(args.pp_size, hosts=(args.host,), base_port=args.port)
     group = ProcessGroup()
     restarter = Restarter(args, model_dir, group)
@@ -355,8 +369,8 @@ async def _serve(
         nonlocal stopping, stopping_since
         if not stopping:
             stopping, stopping_since = True, time.monotonic()
-            print("shutting down", flush=True)
-            frontend.request_shutdown()
+            frontend.request_shutdown()  # first: nothing below may stop it
+            say("shutting down")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
@@ -368,10 +382,10 @@ async def _serve(
         while not frontend.stopped.is_set():
             if frontend.ring_ready.is_set() and not announced:
                 blocks = frontend.num_kv_blocks
-                print(f"KV blocks agreed: {blocks} ({blocks * BLOCK_SIZE} tokens)", flush=True)
+                say(f"KV blocks agreed: {blocks} ({blocks * BLOCK_SIZE} tokens)")
                 if http is not None:
-                    print(f"OpenAI API: {http.url}/v1 (model {model_name!r})", flush=True)
-                print(f"ready: {frontend.addr}", flush=True)
+                    say(f"OpenAI API: {http.url}/v1 (model {model_name!r})")
+                say(f"ready: {frontend.addr}")
                 announced = True
             elif not announced and time.monotonic() - started > READY_TIMEOUT_S:
                 frontend.ring_down("the ring was not ready in time")

@@ -31,6 +31,7 @@ from launch.local import (
     add_restart_args,
     load_keys,
     run_frontend,
+    say,
     stage_argv,
     summary,
 )
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.node_rank == 0:
         for line in startup.lines:
-            print(line, flush=True)
+            say(line)
     hello = NodeHello(
         rank=args.node_rank, **hello_info(args, startup.config.config_hash, startup.partition)
     )

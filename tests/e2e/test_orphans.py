@@ -61,3 +61,38 @@ def test_a_sigkilled_launcher_leaves_no_stage_of_its_ring(default_model):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.timeout(180)
+def test_sigterm_stops_a_launcher_whose_stdout_reader_is_gone(default_model):
+    """The parent reading the launcher's stdout went away: SIGTERM still shuts the ring down
+    (printing "shutting down" to the dead pipe used to raise before the shutdown was asked)."""
+    port = find_free_base_port(16)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONUNBUFFERED", None)  # buffered, as under a parent: the exit's flush must pass
+    cmd = [
+        sys.executable, "-m", "launch", "local", "--pp-size", "2", "--stage-impl", "sim",
+        "--port", str(port), "--http-port", "0",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    stages: list[int] = []
+    try:
+        wait_for_ready_line(launcher, 150)
+        stages = children_of(launcher.pid)
+        assert len(stages) == 2 and all(alive(pid) for pid in stages)
+        launcher.stdout.close()  # the reader is gone: the launcher's next write gets EPIPE
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(15)
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in stages if alive(pid)] == []
+        assert launcher.returncode == 0
+    finally:
+        for pid in stages:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
