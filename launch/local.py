@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,13 +239,10 @@ class RestartBudget:
         )
 
 
-class Restarter:
-    """`ppring local`'s stages, started again as a new ring epoch when one dies or the ring
-    reports a failure, while the budget allows; then the ring fails as it would without
-    restarts. Every stage is started again (same ranks, same layers): the survivors' KV caches
-    and schedulers held the lost ring's state, and new processes start from nothing, so no
-    stale state or message survives; the frontend replays the requests in flight
-    (launch/frontend.py)."""
+class StageRestarter(ABC):
+    """What the frontend's supervision asks of a launcher whose stages can be started again as
+    a new ring epoch, while --max-stage-restarts within --stage-restart-window allow: `ppring
+    local`'s `Restarter` (every stage) and `ppring serve`'s `NodeRestarter` (this node's)."""
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, group: ProcessGroup) -> None:
         self.args, self.model_dir, self.group = args, model_dir, group
@@ -256,6 +254,25 @@ class Restarter:
 
     def give_up_reason(self) -> str:
         return self.budget.give_up_reason()
+
+    def stop_stages(self, now: float) -> None:
+        """Count a restart and stop what is left of this launcher's stages."""
+        self.budget.used(now)
+        self.group.stop(grace_s=3.0)
+        self.group.procs.clear()
+
+    @abstractmethod
+    async def restart(self, now: float) -> int:
+        """Stop the stages, start them again as the next ring epoch; returns it."""
+
+
+class Restarter(StageRestarter):
+    """`ppring local`'s stages, started again as a new ring epoch when one dies or the ring
+    reports a failure, while the budget allows; then the ring fails as it would without
+    restarts. Every stage is started again (same ranks, same layers): the survivors' KV caches
+    and schedulers held the lost ring's state, and new processes start from nothing, so no
+    stale state or message survives; the frontend replays the requests in flight
+    (launch/frontend.py)."""
 
     def start_stages(self, epoch: int) -> None:
         """Every stage, from this (the main) thread: a stage dies with the thread that
@@ -270,9 +287,7 @@ class Restarter:
 
     async def restart(self, now: float) -> int:
         """Stop what is left of the ring, start it again as the next epoch; returns it."""
-        self.budget.used(now)
-        self.group.stop(grace_s=3.0)
-        self.group.procs.clear()
+        self.stop_stages(now)
         self.start_stages(self.epoch + 1)
         return self.epoch
 
@@ -284,7 +299,7 @@ def run_frontend(
     context_length: int,
     group: ProcessGroup,
     keys: NodeKeys | None = None,
-    restarter: Any = None,
+    restarter: StageRestarter | None = None,
 ) -> int:
     """Node 0's frontend (and HTTP API) until the ring shuts down or fails. `restarter`
     (`Restarter`, or `ppring serve`'s `NodeRestarter`) re-forms a failed ring; None: a failure
@@ -351,7 +366,7 @@ async def _serve(
     model_name: str,
     group: ProcessGroup,
     keys: NodeKeys | None,
-    restarter: Any,
+    restarter: StageRestarter | None,
 ) -> int:
     try:
         frontend, http = _open_frontend(args, addrs, tokenizer, context_length, model_name, keys)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from launch.flags import add_flags, agreed_flags
 from launch.local import (
-    RestartBudget,
+    StageRestarter,
     add_http_args,
     add_restart_args,
     load_keys,
@@ -173,7 +173,7 @@ class RendezvousService:
         self.thread.join(5)
 
 
-class NodeRestarter:
+class NodeRestarter(StageRestarter):
     """One node's stage in `ppring serve`, started again after it leaves a failed ring: the
     node registers with node 0's rendezvous again, which forms the next ring epoch once every
     node has (a node started again by hand registers the same way), at most
@@ -190,16 +190,8 @@ class NodeRestarter:
         hello: NodeHello,
         security: CurveClient | None,
     ) -> None:
-        self.args, self.model_dir, self.group = args, model_dir, group
+        super().__init__(args, model_dir, group)
         self.addr, self.hello, self.security = addr, hello, security
-        self.budget = RestartBudget(args.max_stage_restarts, args.stage_restart_window)
-        self.epoch = 0
-
-    def can_restart(self, now: float) -> bool:
-        return self.budget.allows(now)
-
-    def give_up_reason(self) -> str:
-        return self.budget.give_up_reason()
 
     def start_stage(self, ring: NodeHosts) -> None:
         """From the main thread: a stage dies with the thread that started it."""
@@ -213,9 +205,7 @@ class NodeRestarter:
     async def restart(self, now: float) -> int:
         """Stop the stage, rejoin through the rendezvous (waiting in a thread, so node 0's
         frontend keeps answering), start the stage as the new epoch; returns the epoch."""
-        self.budget.used(now)
-        self.group.stop(grace_s=3.0)
-        self.group.procs.clear()
+        self.stop_stages(now)
         ring = await asyncio.to_thread(self.rejoin)
         self.start_stage(ring)
         return self.epoch

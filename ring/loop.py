@@ -240,14 +240,17 @@ class StageLoop:
         return deltas
 
     def _log_stats(self) -> None:
+        """Shares of the time the ring had work (idle time, with no request anywhere, is no
+        stage's wait): a stage's busy and waiting fractions while serving."""
         st = self.stats
-        wall = max(st.wall_s, 1e-9)
+        wall = max(st.wall_s - st.idle_s, 1e-9)
         logger.info(
-            "%s %d steps in %.1f s: %.0f%% in forward, %.0f%% waiting for outputs, "
-            "%.0f%% waiting for proxies, %.0f%% waiting for reqs",
+            "%s %d steps in %.1f s (%.1f s idle, no requests): %.0f%% in forward, "
+            "%.0f%% waiting for outputs, %.0f%% waiting for proxies, %.0f%% waiting for reqs",
             self.prefix,
             st.steps,
-            wall,
+            st.wall_s,
+            st.idle_s,
             100 * st.busy_s / wall,
             100 * st.stalls_s / wall,
             100 * st.proxy_wait_s / wall,

@@ -55,7 +55,8 @@ class LoopStats:
     wall_s: float = 0.0  # time from the first step to the last
     stalls_s: float = 0.0  # time waiting for an output that was due
     proxy_wait_s: float = 0.0
-    reqs_wait_s: float = 0.0
+    reqs_wait_s: float = 0.0  # waiting for the predecessor's reqs while the ring has work
+    idle_s: float = 0.0  # waiting for a request while the ring has none: no stage's wait
     tokens: int = 0  # through the forwards
     batches: int = 0  # forwards run
     round_trip_s: float = 0.0  # stage 0 (of a ring): seam sent to its sampled tokens back
@@ -65,8 +66,10 @@ class LoopStats:
 class FrontendHead:
     """Stage 0: drains the frontend's requests, reports their deltas back to it."""
 
-    def __init__(self, cfg: RingConfig, links: Links, control: RingControl) -> None:
-        self.cfg, self.links, self.control = cfg, links, control
+    def __init__(
+        self, cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats
+    ) -> None:
+        self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
         self.shutting_down = False
         self.aborted_all = False
 
@@ -107,7 +110,10 @@ class FrontendHead:
     def _next_intake(self, may_block: bool, sched: Scheduler) -> Any | None:
         intake = self.links.intake
         if may_block and sched.is_idle() and not self.shutting_down:
-            return self.control.wait_for_intake(intake)
+            started = time.monotonic()
+            msg = self.control.wait_for_intake(intake)
+            self.stats.idle_s += time.monotonic() - started
+            return msg
         if intake is None or not intake.poll(0):
             return None
         return intake.recv(0)
@@ -135,9 +141,14 @@ class RingHead:
         self.cfg, self.links, self.control, self.stats = cfg, links, control, stats
 
     def take_reqs(self, sched: Scheduler, step: int, may_block: bool) -> Reqs | None:
+        idle = sched.is_idle()  # then nothing is on its way but the next request
         started = time.monotonic()
         reqs = self.control.recv("reqs")
-        self.stats.reqs_wait_s += time.monotonic() - started
+        waited = time.monotonic() - started
+        if idle:
+            self.stats.idle_s += waited
+        else:
+            self.stats.reqs_wait_s += waited
         if reqs is None:  # a shutdown came round instead
             if not sched.is_idle():
                 logger.warning("%s shut down with requests still held", self.control.prefix)
@@ -354,7 +365,7 @@ def build_roles(
     cfg: RingConfig, links: Links, control: RingControl, stats: LoopStats, stage: Stage
 ) -> tuple[FrontendHead | RingHead, Tail]:
     head = (
-        FrontendHead(cfg, links, control)
+        FrontendHead(cfg, links, control, stats)
         if cfg.is_first_stage
         else RingHead(cfg, links, control, stats)
     )
