@@ -32,7 +32,11 @@ async def greedy_all(addr: str, prompts: list[str]) -> dict[str, list[int]]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("pp_size", "partition"), [(1, None), (2, None), (3, None), (2, "10,20")])
+@pytest.mark.parametrize(
+    ("pp_size", "partition"),
+    # PP=3 is long; its short form is tests/ring/test_real_ring.py's PP=3 ring of real stages.
+    [(1, None), (2, None), pytest.param(3, None, marks=pytest.mark.long), (2, "10,20")],
+)
 def test_greedy_tokens_equal_transformers(start_local, hf_greedy, pp_size, partition, monkeypatch):
     if partition:
         monkeypatch.setenv("PPRING_LAYER_PARTITION", partition)

@@ -206,7 +206,11 @@ def curve_keys(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("node0_first, curve", [(False, False), (True, True)])
+@pytest.mark.parametrize(
+    "node0_first, curve",
+    # CURVE across namespaces is long (39 s); its short form is tests/e2e/test_curve.py.
+    [(False, False), (True, False), pytest.param(True, True, marks=pytest.mark.long)],
+)
 def test_three_hosts_serve_the_same_greedy_tokens(
     three_hosts, nodes, hf_greedy, node0_first, curve, curve_keys, tmp_path, default_model
 ):
