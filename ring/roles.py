@@ -150,7 +150,7 @@ class RingHead:
         else:
             self.stats.reqs_wait_s += waited
         if reqs is None:  # a shutdown came round instead
-            if not sched.is_idle():
+            if not idle:
                 logger.warning("%s shut down with requests still held", self.control.prefix)
         elif not self.cfg.is_last_stage:  # the last stage's successor is stage 0, their origin
             self.links.next.queue(reqs)
@@ -282,17 +282,9 @@ class ShareTail:
         return {"sampling": [e.req.sampling for e in batch.entries]}
 
     def send_result(self, batch: Batch, share: StageOutput) -> None:
-        msg = Share(
-            batch.slot,
-            batch.step,
-            batch.digest,
-            share["hidden"],
-            share["logits"],
-            share["best_logit"],
-            share["best_token"],
-            self.cfg.epoch,
+        self.links.next.queue(
+            Share(batch.slot, batch.step, batch.digest, **share, epoch=self.cfg.epoch)
         )
-        self.links.next.queue(msg)
 
     def take_output(self, batch: Batch) -> Output:
         return self.outputs.take_output(batch)

@@ -74,8 +74,7 @@ class StageCosts:
     layer: float
     first_extra: float  # embedding lookup
     last_extra: float  # final norm, lm_head, sampling
-    split_lm_head: bool = False
-    first_head_share: float = 0.0  # of last_extra, moved to the first stage by the split
+    first_head: float = 0.0  # of last_extra, what the lm_head split moves to the first stage
 
     @classmethod
     def for_model(
@@ -95,24 +94,24 @@ class StageCosts:
         # the lm_head matmul and the sampler's few passes over the logits, for the decode
         # tokens only; the final norm for every token
         last_extra = decode_share * (2 * vocab * d + 8 * vocab) + 10 * d
-        first_head = decode_share * (2 * vocab_cut(vocab) * d + 8 * vocab)  # its rows, sampling
+        # With the split: the first stage's rows of the lm_head, and the sampler
+        first_head = decode_share * (2 * vocab_cut(vocab) * d + 8 * vocab)
         return cls(
             layer=2 * weights + attention + elementwise,
             first_extra=d,
             last_extra=last_extra,
-            split_lm_head=split_lm_head,
-            first_head_share=first_head / last_extra,
+            first_head=first_head if split_lm_head else 0.0,
         )
 
     def stage_cost(self, rank: int, num_layers: int, pp_size: int) -> float:
         """What stage `rank` of `pp_size` costs when it holds `num_layers` layers."""
         cost = num_layers * self.layer
         cost += self.first_extra if rank == 0 else 0.0
-        moved = self.first_head_share * self.last_extra if self.split_lm_head else 0.0
-        if pp_size > 1 and rank == 0:
+        moved = self.first_head if pp_size > 1 else 0.0  # one stage has nothing to split
+        if rank == 0:
             cost += moved
         if rank == pp_size - 1:
-            cost += self.last_extra - (moved if pp_size > 1 else 0.0)
+            cost += self.last_extra - moved
         return cost
 
     def stage_costs(self, partition: list[int]) -> list[float]:

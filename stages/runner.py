@@ -95,13 +95,12 @@ class StageRunner(Stage):
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
         # What `run` does with the layers' output is fixed by the role, chosen once here.
-        self._finish = (
-            self._hand_on
-            if not self.is_last_stage
-            else self._share
-            if self.split_lm_head
-            else self._sample
-        )
+        if not self.is_last_stage:
+            self._finish = self._hand_on
+        elif self.split_lm_head:
+            self._finish = self._share
+        else:
+            self._finish = self._sample
         if self.model.head_rows is not None and self.split_lm_head:
             logger.info(
                 "%s lm_head split: this stage multiplies by vocabulary rows [%d, %d) of %d%s",

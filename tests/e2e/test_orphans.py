@@ -33,27 +33,22 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-@pytest.mark.timeout(180)
-def test_a_sigkilled_launcher_leaves_no_stage_of_its_ring(default_model):
+@contextlib.contextmanager
+def sim_launcher(pp_size: int, env: dict[str, str]):
+    """`ppring local` with simulated stages, its stdout a pipe, read up to its ready line; yields
+    (launcher, its stage PIDs). Every process is stopped by PID afterwards, also on failure."""
     port = find_free_base_port(16)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     cmd = [
-        sys.executable, "-m", "launch", "local", "--pp-size", "3", "--stage-impl", "sim",
-        "--port", str(port), "--http-port", "0",
+        sys.executable, "-m", "launch", "local", "--pp-size", str(pp_size),
+        "--stage-impl", "sim", "--port", str(port), "--http-port", "0",
     ]  # fmt: skip
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     stages: list[int] = []
     try:
         wait_for_ready_line(launcher, 150)
-        stages = children_of(launcher.pid)
-        assert len(stages) == 3 and all(alive(pid) for pid in stages)
-        launcher.kill()  # SIGKILL: the launcher runs no cleanup at all
-        launcher.wait(10)
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in stages if alive(pid)] == []
+        stages += children_of(launcher.pid)
+        assert len(stages) == pp_size and all(alive(pid) for pid in stages)
+        yield launcher, stages
     finally:
         for pid in stages:
             with contextlib.suppress(ProcessLookupError):
@@ -61,6 +56,24 @@ def test_a_sigkilled_launcher_leaves_no_stage_of_its_ring(default_model):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(10)
+
+
+def survivors(stages: list[int], within_s: float = 5.0) -> list[int]:
+    """The stages still alive after up to `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in stages if alive(pid)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(180)
+def test_a_sigkilled_launcher_leaves_no_stage_of_its_ring(default_model):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    with sim_launcher(3, env) as (launcher, stages):
+        launcher.kill()  # SIGKILL: the launcher runs no cleanup at all
+        launcher.wait(10)
+        assert survivors(stages) == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -68,31 +81,11 @@ def test_a_sigkilled_launcher_leaves_no_stage_of_its_ring(default_model):
 def test_sigterm_stops_a_launcher_whose_stdout_reader_is_gone(default_model):
     """The parent reading the launcher's stdout went away: SIGTERM still shuts the ring down
     (printing "shutting down" to the dead pipe used to raise before the shutdown was asked)."""
-    port = find_free_base_port(16)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("PYTHONUNBUFFERED", None)  # buffered, as under a parent: the exit's flush must pass
-    cmd = [
-        sys.executable, "-m", "launch", "local", "--pp-size", "2", "--stage-impl", "sim",
-        "--port", str(port), "--http-port", "0",
-    ]  # fmt: skip
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-    stages: list[int] = []
-    try:
-        wait_for_ready_line(launcher, 150)
-        stages = children_of(launcher.pid)
-        assert len(stages) == 2 and all(alive(pid) for pid in stages)
+    with sim_launcher(2, env) as (launcher, stages):
         launcher.stdout.close()  # the reader is gone: the launcher's next write gets EPIPE
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(15)
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in stages) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [pid for pid in stages if alive(pid)] == []
+        assert survivors(stages) == []
         assert launcher.returncode == 0
-    finally:
-        for pid in stages:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(10)
