@@ -46,6 +46,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     parser.add_argument("--copy-mib", type=int, default=None, help="copy size (default: auto)")
     parser.add_argument("--out", type=Path, default=Path("."), help="where the JSON goes")
+    parser.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="CUDA: decode batches up to this size replay as graphs (default: the largest batch)",
+    )
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="CUDA: time eager steps")
     args = parser.parse_args(argv)
     try:
         args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -193,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         num_threads=args.threads,
         quantization=args.quantization,
+        cuda_graph_max_bs=0
+        if args.disable_cuda_graph
+        else args.cuda_graph_max_bs or max(args.batch_sizes),
     )
-    runner.allocate_kv(blocks)
+    runner.allocate_kv(blocks)  # on CUDA this captures the decode graphs
+    graphs = runner.graphs
     weight_bytes = runner.parameter_bytes
     # A decode step reads every weight once, except an untied embedding table: of that it
     # reads only the B rows of this step's tokens.
@@ -212,12 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         f"on {device}, {args.threads} threads; "
         f"weights {weight_bytes / 1e9:.2f} GB ({read_bytes / 1e9:.2f} GB read per step), "
         f"KV {kv_per_token / 1024:.0f} KiB/token; "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_mib} MiB, read + write)",
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_mib} MiB, read + write); "
+        + (
+            f"CUDA graphs for batches up to {graphs.sizes[-1]} ({graphs.capture_s:.1f} s to "
+            "capture)"
+            if graphs is not None
+            else "no CUDA graphs"
+        ),
         flush=True,
     )
     rows = []
     for batch in args.batch_sizes:
+        replays = graphs.replays if graphs is not None else 0
         timing = time_decode(runner, batch, args.context, args.steps)
+        replayed = graphs is not None and graphs.replays > replays
         matmuls = time_matmuls(runner, batch, max(5, args.steps // 2))
         kv_bytes = batch * timing["mean_context"] * kv_per_token
         bound_weights_s = read_bytes / bandwidth
@@ -230,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "batch": batch,
                 "context": args.context,
+                "cuda_graph": replayed,
                 "step_ms": round(1000 * timing["median_s"], 3),
                 "step_min_ms": round(1000 * timing["min_s"], 3),
                 "tokens_per_s": round(batch / timing["median_s"], 1),
@@ -251,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         r = rows[-1]
         print(
-            f"  batch {batch:>3}: step {r['step_ms']:8.2f} ms; {r['over_weights_bound']:.2f}x the "
+            f"  batch {batch:>3}{' (graph)' if replayed else ''}: step {r['step_ms']:8.2f} ms; "
+            f"{r['over_weights_bound']:.2f}x the "
             f"weight-read bound ({r['bound_weights_ms']:.2f} ms), {r['over_floor']:.2f}x the "
             f"floor ({r['floor_ms']:.2f} ms = matmuls {r['matmuls_ms']:.2f} "
             f"[F.linear {r['f_linear_ms']}] + KV {r['kv_ms']:.2f})",
@@ -275,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": round(bandwidth),
         "copy_mib": copy_mib,
+        "cuda_graph_sizes": graphs.sizes if graphs is not None else [],
+        "cuda_graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else None,
         "rows": rows,
         "wall_s": round(time.monotonic() - started, 1),
     }

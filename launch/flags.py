@@ -27,6 +27,7 @@ class Flag:
     help: str | None = None
     agreed: bool = False  # the rendezvous requires the same value on every node
     field: str | None = None  # the RingConfig field it fills
+    switch: bool = False  # takes no value: present means True (`type` and `default` unused)
 
     @property
     def dest(self) -> str:
@@ -82,6 +83,15 @@ FLAGS: tuple[Flag, ...] = (
         agreed=True,
     ),
     Flag("--device", str, "cpu"),
+    # CUDA graphs for decode steps, as SGLang names them (stages/cuda_graphs.py).
+    Flag(
+        "--cuda-graph-max-bs",
+        int,
+        None,
+        help="CUDA stages: decode batches of up to this many sequences replay as CUDA graphs "
+        "(default: the micro-batch cap)",
+    ),
+    Flag("--disable-cuda-graph", switch=True, help="CUDA stages: run every step eagerly"),
     Flag(
         "--curve-dir",
         str,
@@ -102,6 +112,9 @@ FLAGS: tuple[Flag, ...] = (
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     for flag in FLAGS:
+        if flag.switch:
+            parser.add_argument(flag.name, action="store_true", help=flag.help)
+            continue
         parser.add_argument(
             flag.name, type=flag.type, default=flag.default, choices=flag.choices, help=flag.help
         )
@@ -128,9 +141,29 @@ def flag_argv(args: argparse.Namespace, **overrides: Any) -> list[str]:
     values = {**vars(args), **overrides}
     argv: list[str] = []
     for flag in FLAGS:
-        if values[flag.dest] is not None:
+        if flag.switch:
+            argv += [flag.name] if values[flag.dest] else []
+        elif values[flag.dest] is not None:
             argv += [flag.name, str(values[flag.dest])]
     return argv
+
+
+def cuda_graph_max_bs(args: argparse.Namespace, cfg: RingConfig) -> int:
+    """The largest decode batch a CUDA stage captures: 0 when graphs are off, else
+    --cuda-graph-max-bs, by default the micro-batch cap (no micro-batch is larger)."""
+    if args.disable_cuda_graph:
+        return 0
+    return cfg.micro_batch_cap if args.cuda_graph_max_bs is None else args.cuda_graph_max_bs
+
+
+def stage_threads(args: argparse.Namespace) -> int | None:
+    """Torch's CPU threads in a stage process: --threads-per-stage where given; on a GPU,
+    one (its host work is small ops and copies, and idle OpenMP workers spinning on every
+    core only steal time from the other stages' hosts; vLLM's workers do the same); on a CPU,
+    None: the launcher splits the cores."""
+    if args.threads_per_stage is not None:
+        return args.threads_per_stage
+    return 1 if args.device.startswith("cuda") else None
 
 
 def agreed_flags(args: argparse.Namespace) -> dict[str, Any]:

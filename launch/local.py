@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.flags import add_flags, flag_argv, ring_config
+from launch.flags import add_flags, cuda_graph_max_bs, flag_argv, ring_config, stage_threads
 from launch.procs import ProcessGroup
 from protocol.curve import NodeKeys
 from ring.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, RingAddresses
@@ -58,8 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add_http_args(parser)
     add_restart_args(parser)
     args = parser.parse_args(argv)
-    if args.threads_per_stage is None:
+    if args.threads_per_stage is None and args.device == "cpu":
         # Stages share this machine's cores; OpenMP pools that oversubscribe slow every op.
+        # (A GPU stage's own rule is launch.flags.stage_threads.)
         args.threads_per_stage = max(1, (os.cpu_count() or 1) // args.pp_size)
     return args
 
@@ -155,8 +156,15 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
         f"layers per stage: {split} ({how}; estimated share of a decode step: {shares})",
         f"slots: {cfg.pp_loop_size} (pp_size {cfg.pp_size} + async depth "
         f"{cfg.pp_async_batch_depth}); requests per micro-batch <= {cfg.micro_batch_cap}, "
-        f"running <= {cfg.max_running_requests}; {args.threads_per_stage} threads per stage",
+        f"running <= {cfg.max_running_requests}; {stage_threads(args)} threads per stage",
     ]
+    if args.device.startswith("cuda"):
+        max_bs = cuda_graph_max_bs(args, cfg)
+        lines.append(
+            f"CUDA graphs: decode batches of up to {max_bs} sequences"
+            if max_bs
+            else "CUDA graphs: off"
+        )
     return Startup(lines, context, config, split)
 
 

@@ -64,7 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--pp-size {args.pp_size} must equal --nnodes {args.nnodes}: one stage a node"
         )
     args.pp_size = args.nnodes
-    if args.threads_per_stage is None:
+    if args.threads_per_stage is None and args.device == "cpu":
         args.threads_per_stage = os.cpu_count() or 1  # one stage per node: all its cores
     return args
 

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from launch.flags import add_flags, ring_config
+from launch.flags import add_flags, cuda_graph_max_bs, ring_config, stage_threads
 from ring.config import RingConfig
 from ring.topology import DEFAULT_PORT, RingAddresses
 
@@ -53,10 +53,11 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         kv_budget_bytes=int(args.kv_memory_gib * 2**30),
         dtype=args.dtype,
         device=args.device,
-        num_threads=args.threads_per_stage,
+        num_threads=stage_threads(args),
         quantization=args.quantization,
         partition_rule=args.partition_rule,
         split_lm_head=cfg.split_lm_head,
+        cuda_graph_max_bs=cuda_graph_max_bs(args, cfg),
     )
     model = stage.config
     info = ModelInfo(

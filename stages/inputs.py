@@ -56,6 +56,7 @@ class PagedAttn:
     q_len: torch.Tensor  # [N] int32, its rows
     ctx_len: torch.Tensor  # [N] int32, its keys: seq_len (earlier context + this chunk)
     block_table: torch.Tensor  # [N, max_blocks] int32; entries past a context are never read
+    max_q_len: int  # the most rows of any chunk: 1 for a decode-only batch
 
 
 @dataclass
@@ -119,15 +120,24 @@ def build_inputs(
     decode_groups = _decode_groups(decode_rows, decode_chunks, num_tokens, device)
     paged = _paged_attn(chunks, cu_seqlens, device) if attention == "paged" else None
     return ForwardInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        input_ids=on_device(torch.tensor(input_ids, dtype=torch.long), device),
+        positions=on_device(torch.tensor(positions, dtype=torch.long), device),
+        slot_mapping=on_device(torch.tensor(slot_mapping, dtype=torch.long), device),
+        cu_seqlens=on_device(torch.tensor(cu_seqlens, dtype=torch.int32), device),
+        sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
         prefills=prefills,
         decode_groups=decode_groups,
         paged=paged,
     )
+
+
+def on_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory, asynchronously: a copy from
+    pageable memory would make the host wait for every step queued before it, and the ring
+    prepares the next step while the device runs this one (stages/device_step.py)."""
+    if host.device.type != "cpu" or torch.device(device).type != "cuda":
+        return host  # already there, or staying on the host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _paged_attn(
@@ -137,10 +147,11 @@ def _paged_attn(
     # Each table cut to what its context needs and padded with block 0, which is never read.
     table = [(chunk.block_ids + [0] * num_blocks)[:num_blocks] for chunk in chunks]
     return PagedAttn(
-        q_start=torch.tensor(cu_seqlens[:-1], dtype=torch.int32, device=device),
-        q_len=torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32, device=device),
-        ctx_len=torch.tensor([c.seq_len for c in chunks], dtype=torch.int32, device=device),
-        block_table=torch.tensor(table, dtype=torch.int32, device=device),
+        q_start=on_device(torch.tensor(cu_seqlens[:-1], dtype=torch.int32), device),
+        q_len=on_device(torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32), device),
+        ctx_len=on_device(torch.tensor([c.seq_len for c in chunks], dtype=torch.int32), device),
+        block_table=on_device(torch.tensor(table, dtype=torch.int32), device),
+        max_q_len=max(c.num_tokens for c in chunks),
     )
 
 
@@ -170,11 +181,11 @@ def _prefill_attn(chunk: SeqChunk, row: int, device: str | torch.device) -> Pref
     if chunk.start_pos > 0:
         # Causal, aligned bottom-right: query i sits at position start_pos + i.
         query_pos = torch.arange(chunk.start_pos, ctx)[:, None]  # [n, 1]
-        mask = (torch.arange(ctx)[None, :] <= query_pos).to(device)  # [n, ctx]
+        mask = on_device(torch.arange(ctx)[None, :] <= query_pos, device)  # [n, ctx]
     return PrefillAttn(
         row_start=row,
         row_end=row + n,
-        key_slots=_context_slots(chunk.block_ids, ctx).to(device),
+        key_slots=on_device(_context_slots(chunk.block_ids, ctx), device),
         mask=mask,
     )
 
@@ -193,7 +204,7 @@ def _decode_groups(
         return [_decode_group(None, chunks, device)]
     return [
         _decode_group(
-            torch.tensor([rows[i] for i in group], dtype=torch.long, device=device),
+            on_device(torch.tensor([rows[i] for i in group], dtype=torch.long), device),
             [chunks[i] for i in group],
             device,
         )
@@ -242,7 +253,7 @@ def _decode_group(
     uniform = bool((lengths == key_len).all())
     return DecodeGroup(
         rows=rows,
-        key_slots=slots.reshape(-1).to(device),
+        key_slots=on_device(slots.reshape(-1), device),
         key_len=key_len,
-        mask=None if uniform else real[:, None, None, :].to(device),
+        mask=None if uniform else on_device(real[:, None, None, :], device),
     )

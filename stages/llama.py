@@ -20,7 +20,7 @@ from torch import nn
 
 from stages.attention import paged_attention
 from stages.config import ModelConfig, RopeScaling
-from stages.inputs import ForwardInputs
+from stages.inputs import ForwardInputs, on_device
 from stages.kv_cache import KVCache
 from stages.linear import make_linear
 from stages.native import NativeKernels
@@ -239,8 +239,8 @@ class LlamaStage(nn.Module):
                     f"of shape {expected}, got {got}"
                 )
         assert hidden_states is not None and residual is not None
-        # The wire delivers CPU tensors; a CUDA stage moves them over here.
+        # The wire delivers CPU tensors; a CUDA stage moves them over here (asynchronously).
         return (
-            hidden_states.to(self.device, self.dtype),
-            residual.to(self.device, self.dtype),
+            on_device(hidden_states, self.device).to(self.device, self.dtype),
+            on_device(residual, self.device).to(self.device, self.dtype),
         )

@@ -6,16 +6,27 @@ stage implements the same one without a model).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from protocol.sampling import SamplingParams
-from stages import native
+from stages import native, triton_attention
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
 from stages.config import ModelConfig
-from stages.contract import LogitsShare, Seam, Stage, StageOutput
+from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
+from stages.cuda_graphs import (
+    CudaRecorder,
+    DecodeGraphs,
+    GraphRecorder,
+    StaticDecodeInputs,
+    StepOutputs,
+    capture_sizes,
+)
+from stages.device_step import DeviceSample, DeviceStep, StepClock
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
@@ -50,9 +61,16 @@ class StageRunner(Stage):
         num_threads: int | None = None,
         quantization: str = "none",
         split_lm_head: bool = False,
+        cuda_graph_max_bs: int | None = None,
+        graph_recorder: GraphRecorder | None = None,
     ) -> None:
         """`split_lm_head`: the first and the last stage each multiply by half of the
-        vocabulary and the first samples (a one-stage ring has nothing to split)."""
+        vocabulary and the first samples (a one-stage ring has nothing to split).
+
+        `cuda_graph_max_bs`: on a CUDA device, decode steps of up to this many sequences replay
+        as CUDA graphs (stages/cuda_graphs.py), captured once the KV cache is allocated; None or
+        0: every step runs eagerly. `graph_recorder` replaces the CUDA recorder (tests record
+        "graphs" on a CPU with `EagerRecorder`)."""
         if num_threads is not None:
             # One stage per process: stages sharing a host must split its cores, or their
             # OpenMP thread pools fight and every op slows down many times over.
@@ -110,8 +128,16 @@ class StageRunner(Stage):
                 "; it samples" if is_first else "",
             )
         # Where the kernels run, attention reads the paged cache in place; elsewhere torch
-        # gathers each context's K and V for SDPA (stages/attention.py).
+        # gathers each context's K and V for SDPA (stages/attention.py). On a GPU with Triton,
+        # decode-only batches read in place too (stages/triton_attention.py).
         self.attention = "paged" if kernels is not None else "gather"
+        self.paged_decode = self.attention == "paged" or (
+            self.device.type == "cuda" and triton_attention.available()
+        )
+        self.graph_recorder = self._graph_recorder(cuda_graph_max_bs, graph_recorder)
+        self.cuda_graph_max_bs = cuda_graph_max_bs if self.graph_recorder else None
+        self.graphs: DecodeGraphs | None = None
+        self.clock = StepClock()
         logger.info(
             "%s CPU kernels: %s; attention: %s; weights: %s",
             self.log_prefix,
@@ -157,6 +183,7 @@ class StageRunner(Stage):
         quantization: str = "none",
         partition_rule: str = "cost",
         split_lm_head: bool = False,
+        cuda_graph_max_bs: int | None = None,
     ) -> StageRunner:
         """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
         else `partition_rule` (stages/partition.py)."""
@@ -178,6 +205,7 @@ class StageRunner(Stage):
             num_threads=num_threads,
             quantization=quantization,
             split_lm_head=split_lm_head,
+            cuda_graph_max_bs=cuda_graph_max_bs,
         )
 
     @property
@@ -204,10 +232,12 @@ class StageRunner(Stage):
                 f"{self.log_prefix} cannot allocate {num_blocks} KV blocks; its budget holds "
                 f"{self._num_kv_blocks}"
             )
-        self.kv = None  # free the old cache before allocating the new one
+        self.kv = self.graphs = None  # free the old cache (and graphs over it) first
+        # With graphs, one block more: the scratch block that padding rows write to, which the
+        # ring never hands out (it knows num_blocks).
         self.kv = KVCache(
             self.num_local_layers,
-            num_blocks,
+            num_blocks + (self.graph_recorder is not None),
             self.config.num_kv_heads,
             self.config.head_dim,
             self.dtype,
@@ -216,6 +246,70 @@ class StageRunner(Stage):
         logger.info(
             "%s KV cache: %d blocks, %.1f MiB", self.log_prefix, num_blocks, self.kv.nbytes / 2**20
         )
+        if self.graph_recorder is not None:
+            self._capture_graphs(num_blocks)
+
+    def _graph_recorder(
+        self, max_bs: int | None, recorder: GraphRecorder | None
+    ) -> GraphRecorder | None:
+        """What records this stage's decode graphs; None: no graphs (a CPU stage, the flag off,
+        or nothing to read the paged cache with in a graph)."""
+        if not max_bs:
+            return None
+        if max_bs < 0:
+            raise ValueError(f"--cuda-graph-max-bs must be >= 0, got {max_bs}")
+        if recorder is None and self.device.type != "cuda":
+            return None
+        if not self.paged_decode:
+            logger.warning(
+                "%s CUDA graphs off: decode attention inside a graph needs Triton, which this "
+                "torch build lacks",
+                self.log_prefix,
+            )
+            return None
+        return recorder or CudaRecorder()
+
+    def _capture_graphs(self, num_blocks: int) -> None:
+        assert self.graph_recorder is not None and self.cuda_graph_max_bs
+        max_blocks = min(-(-self.config.max_position_embeddings // BLOCK_SIZE), num_blocks)
+        buffers = StaticDecodeInputs(
+            self.cuda_graph_max_bs,
+            max_blocks,
+            pad_block=num_blocks,
+            hidden_size=None if self.is_first_stage else self.config.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        graphs = DecodeGraphs(
+            self._graph_step, buffers, capture_sizes(self.cuda_graph_max_bs), self.graph_recorder
+        )
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        with torch.inference_mode():
+            graphs.capture()
+        memory = (torch.cuda.memory_reserved(self.device) - before) / 2**20 if cuda else 0.0
+        self.graphs = graphs
+        logger.info(
+            "%s CUDA graphs (%s): %d decode batch sizes up to %d captured in %.1f s, %.0f MiB",
+            self.log_prefix,
+            self.graph_recorder.name,
+            len(graphs.sizes),
+            graphs.sizes[-1],
+            graphs.capture_s,
+            memory,
+        )
+
+    def _graph_step(
+        self, inputs: ForwardInputs, h: torch.Tensor | None, residual: torch.Tensor | None
+    ) -> StepOutputs:
+        """What a decode graph records: the layers, and on the last stage of an unsplit
+        lm_head the logits of every row (each decode samples)."""
+        assert self.kv is not None
+        h, residual = self.model(inputs, self.kv, h, residual)
+        logits = None
+        if self.is_last_stage and not self.split_lm_head:
+            logits = self.model.compute_logits(h, residual)  # [B, V]
+        return h, residual, logits
 
     def run(
         self,
@@ -225,8 +319,39 @@ class StageRunner(Stage):
         sampling: Sequence[SamplingParams | None] | None = None,
         histories: Sequence[Sequence[int] | None] | None = None,
     ) -> StageOutput:
-        inputs, h, residual = self._forward(chunks, hidden_states, residual)
-        return self._finish(chunks, inputs, h, residual, sampling, histories)
+        step = self._forward(chunks, hidden_states, residual)
+        output = self._finish(chunks, step, sampling, histories)
+        if step.from_graph and not self.is_last_stage:
+            # The graph's outputs are overwritten by its next replay; the seam leaves as ours.
+            output = Seam(hidden_states=step.h.clone(), residual=step.residual.clone())
+        if isinstance(output, DeviceSample):
+            return output.wait()
+        return output
+
+    def launch(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: Sequence[SamplingParams | None] | None = None,
+        histories: Sequence[Sequence[int] | None] | None = None,
+    ) -> StepHandle:
+        """On a CUDA device the step is only queued when this returns: the seam is on its way
+        to pinned host buffers, greedy tokens likewise, and an event marks the end; the ring
+        prepares its next step meanwhile. On a CPU, as `Stage.launch`: the step has run."""
+        if self.device.type != "cuda":
+            return super().launch(chunks, hidden_states, residual, sampling, histories)
+        launched = time.monotonic()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step = self._forward(chunks, hidden_states, residual)
+        output = self._finish(chunks, step, sampling, histories)
+        if not self.is_last_stage:
+            output = Seam(hidden_states=_to_host(step.h), residual=_to_host(step.residual))
+        elif isinstance(output, dict):  # a LogitsShare: every tensor to the host
+            output = LogitsShare(**{k: _to_host(v) for k, v in output.items()})  # type: ignore[typeddict-item]
+        end.record()
+        return DeviceStep(output, start, end, not self.is_last_stage, launched, self.clock)
 
     def forward_logits(
         self,
@@ -236,60 +361,77 @@ class StageRunner(Stage):
         all_rows: bool = False,
     ) -> torch.Tensor:
         """Last stage: run `chunks` and return fp32 logits, [T, V] for every row if `all_rows`,
-        else [num_sampled, V] for the sampled rows. For parity tests and tools."""
+        else [num_sampled, V] for the sampled rows. For parity tests and tools (always eager)."""
         if not self.is_last_stage or self.split_lm_head:
             raise ValueError(f"{self.log_prefix} is not the last stage of an unsplit lm_head")
-        inputs, h, residual = self._forward(chunks, hidden_states, residual)
-        rows = None if all_rows else inputs.sample_rows
+        step = self._forward(chunks, hidden_states, residual, graphs=False)
+        rows = None if all_rows else step.inputs.sample_rows
         with torch.inference_mode():
-            return self.model.compute_logits(h, residual, rows).float()
+            return self.model.compute_logits(step.h, step.residual, rows).float()
 
     def _forward(
         self,
         chunks: list[SeqChunk],
         hidden_states: torch.Tensor | None,
         residual: torch.Tensor | None,
-    ) -> tuple[ForwardInputs, torch.Tensor, torch.Tensor]:
+        graphs: bool = True,
+    ) -> Forward:
         if self.kv is None:
             raise RuntimeError(f"{self.log_prefix} has no KV cache; call allocate_kv first")
-        inputs = build_inputs(chunks, self.device, self.attention)
+        size = self.graphs.size_for(chunks) if graphs and self.graphs is not None else None
         with torch.inference_mode():
+            if size is not None:
+                assert self.graphs is not None
+                inputs, (h, residual, logits) = self.graphs.run(
+                    chunks, size, hidden_states, residual
+                )
+                return Forward(inputs, h, residual, logits, from_graph=True)
+            inputs = build_inputs(chunks, self.device, self._attention_for(chunks))
             h, residual = self.model(inputs, self.kv, hidden_states, residual)
-        return inputs, h, residual
+        return Forward(inputs, h, residual)
+
+    def _attention_for(self, chunks: list[SeqChunk]) -> str:
+        """ "paged" where this stage reads the cache in place for this batch, else "gather"."""
+        if self.attention == "paged":
+            return "paged"
+        decode_only = all(chunk.num_tokens == 1 for chunk in chunks)
+        return "paged" if self.paged_decode and decode_only else "gather"
 
     def _hand_on(
         self,
         chunks: list[SeqChunk],
-        inputs: ForwardInputs,
-        h: torch.Tensor,
-        residual: torch.Tensor,
+        step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
         histories: Sequence[Sequence[int] | None] | None,
     ) -> Seam:
-        return Seam(hidden_states=h, residual=residual)  # both [T, d]
+        return Seam(hidden_states=step.h, residual=step.residual)  # both [T, d]
 
     def _sample(
         self,
         chunks: list[SeqChunk],
-        inputs: ForwardInputs,
-        h: torch.Tensor,
-        residual: torch.Tensor,
+        step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
         histories: Sequence[Sequence[int] | None] | None,
-    ) -> SampleResult:
+    ) -> SampleResult | DeviceSample:
+        """Sample the chunks that sample. On a CUDA device a batch of plain greedy rows leaves
+        its tokens on their way to the host (a `DeviceSample`): that copy is the step's only
+        wait for the device."""
         picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not picked:
             return SampleResult(token_ids=[])
         with torch.inference_mode():
-            logits = self.model.compute_logits(h, residual, inputs.sample_rows)  # [N, V]
+            logits = step.logits  # [N, V] from a graph (every row samples), or:
+            if logits is None:
+                logits = self.model.compute_logits(step.h, step.residual, step.inputs.sample_rows)
+            params = _picked_params(chunks, sampling)
+            if self.device.type == "cuda" and all(_plain_greedy(p) for p in params):
+                return DeviceSample(_to_host(logits.argmax(dim=-1)))
             return _sample_picked(logits, chunks, sampling, histories)
 
     def _share(
         self,
         chunks: list[SeqChunk],
-        inputs: ForwardInputs,
-        h: torch.Tensor,
-        residual: torch.Tensor,
+        step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
         histories: Sequence[Sequence[int] | None] | None,
     ) -> LogitsShare:
@@ -299,7 +441,7 @@ class StageRunner(Stage):
         params = _picked_params(chunks, sampling)
         empty = torch.empty(0)
         with torch.inference_mode():
-            x = self.model.final_hidden(h, residual, inputs.sample_rows)  # [N, d]
+            x = self.model.final_hidden(step.h, step.residual, step.inputs.sample_rows)  # [N, d]
             part = self.model.lm_head(x)  # [N, V - cut]
             if not all(_plain_greedy(p) for p in params):
                 return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
@@ -336,6 +478,29 @@ class StageRunner(Stage):
                 return SampleResult(token_ids=tokens.tolist())
             logits = torch.cat((own, share["logits"].to(self.device, own.dtype)), dim=1)  # [N, V]
             return _sample_picked(logits, chunks, sampling, histories)
+
+
+@dataclass
+class Forward:
+    """One forward's result: its inputs, the layers' output (h, residual) [T, d] each, and
+    the logits [N, V] where a decode graph computed them (None: the finish computes them).
+    `from_graph`: the tensors are a graph's static outputs, overwritten by its next replay."""
+
+    inputs: ForwardInputs
+    h: torch.Tensor
+    residual: torch.Tensor
+    logits: torch.Tensor | None = None
+    from_graph: bool = False
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor's copy in fresh pinned host memory, queued on the stream (the host does
+    not wait); torch's pinned-memory cache reuses the buffer only once the copy is done. A
+    host tensor is returned as it is."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _sample_picked(

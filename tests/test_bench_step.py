@@ -51,6 +51,8 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
     assert result["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 4  # layers, K+V, h_kv, d, fp32
     assert result["copy_bandwidth_bytes_per_s"] > 0
     assert [r["batch"] for r in result["rows"]] == [1, 3]
+    assert result["cuda_graph_sizes"] == []  # graphs are for CUDA stages
+    assert not any(r["cuda_graph"] for r in result["rows"])
     for row in result["rows"]:
         assert row["step_ms"] > 0 and row["bound_ms"] > row["bound_weights_ms"] > 0
         assert row["of_bound"] == pytest.approx(row["bound_ms"] / row["step_ms"], abs=2e-3)

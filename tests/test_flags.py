@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from launch import local, serve, stage
-from launch.flags import FLAGS, Flag, ring_config
+from launch.flags import FLAGS, Flag, cuda_graph_max_bs, ring_config, stage_threads
 from ring.config import RingConfig
 
 AGREED = {
@@ -25,6 +25,8 @@ AGREED = {
 
 def other_value(flag: Flag) -> Any:
     """A valid value unlike the flag's default."""
+    if flag.switch:
+        return True
     if flag.choices:
         return next(choice for choice in flag.choices if choice != flag.default)
     if flag.type is str:
@@ -33,7 +35,8 @@ def other_value(flag: Flag) -> Any:
 
 
 def launcher_argv(*extra: str) -> list[str]:
-    return [word for flag in FLAGS for word in (flag.name, str(other_value(flag)))] + list(extra)
+    words = [[flag.name] if flag.switch else [flag.name, str(other_value(flag))] for flag in FLAGS]
+    return [word for pair in words for word in pair] + list(extra)
 
 
 def test_stage_argv_carries_every_table_flag_to_the_stage():
@@ -90,3 +93,24 @@ def test_hello_info_holds_exactly_the_agreed_flags():
     by_name = {flag.name: flag for flag in FLAGS}
     for name, value in info["ring_flags"].items():
         assert value == other_value(by_name[name]), name
+
+
+def test_cuda_graphs_default_to_the_micro_batch_cap_and_switch_off():
+    def max_bs(*argv: str) -> int:
+        args = local.parse_args(["--device", "cuda", *argv])
+        return cuda_graph_max_bs(args, ring_config(args, rank=0))
+
+    assert max_bs() == 64  # 64 running requests, one stage
+    assert max_bs("--pp-size", "2", "--max-running-requests", "128") == 64
+    assert max_bs("--cuda-graph-max-bs", "24") == 24
+    assert max_bs("--disable-cuda-graph") == 0
+    assert "--disable-cuda-graph" in local.stage_argv(
+        local.parse_args(["--disable-cuda-graph"]), 0, Path("model")
+    )
+
+
+def test_a_gpu_stage_takes_one_host_thread_unless_told_and_a_cpu_stage_its_share():
+    assert stage_threads(local.parse_args(["--device", "cuda", "--pp-size", "2"])) == 1
+    assert stage_threads(local.parse_args(["--device", "cuda", "--threads-per-stage", "4"])) == 4
+    cpu = local.parse_args(["--pp-size", "2"])
+    assert stage_threads(cpu) == cpu.threads_per_stage >= 1

@@ -14,6 +14,7 @@ from transformers import LlamaForCausalLM
 from protocol.sampling import SamplingParams
 from stages import native
 from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
+from stages.cuda_graphs import GraphRecorder
 from stages.partition import layer_range
 from stages.runner import StageRunner
 from tests.tiny_llama import make_tiny_llama
@@ -129,6 +130,8 @@ class Chain:
         scattered: bool = True,
         poison: bool = False,
         quantization: str = "none",
+        cuda_graph_max_bs: int | None = None,
+        graph_recorder: GraphRecorder | None = None,
     ) -> None:
         self.stages = [
             StageRunner(
@@ -139,6 +142,8 @@ class Chain:
                 device=device,
                 rank=rank,
                 quantization=quantization,
+                cuda_graph_max_bs=cuda_graph_max_bs,
+                graph_recorder=graph_recorder,
             )
             for rank in range(len(partition))
         ]

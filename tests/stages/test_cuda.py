@@ -12,6 +12,7 @@ import torch
 from protocol.sampling import SamplingParams
 from stages.batch import SeqChunk
 from tests.stages.conftest import Chain, drive_teacher_forced, hf_logits
+from tests.stages.test_cuda_graphs import serve_greedy
 from tests.stages.test_parity import random_seqs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,3 +65,41 @@ def test_cuda_seeded_sampling_is_independent_of_the_batch(tiny_dirs: dict[str, P
         return chain.sample(chunks, sampling=sampling).token_ids[0]
 
     assert first_token(False) == first_token(True)
+
+
+@pytest.mark.parametrize(("model", "partition"), [("gqa", [4]), ("tied", [2, 2]), ("mqa", [2, 2])])
+def test_cuda_graph_steps_give_the_tokens_of_eager_steps(
+    tiny_dirs: dict[str, Path], model: str, partition: list[int]
+) -> None:
+    """Batches of 7, 6 and 5 decodes exceed the largest graph (4) and run eagerly; 4, 2 and 1
+    replay their own size, 3 replays 4 with a padding row; a late prefill runs eagerly."""
+    prompts = random_seqs([5, 23, 9, 40, 17, 12, 30], seed=11)
+    new_tokens = [6, 20, 3, 12, 9, 1, 16]
+    eager = Chain(tiny_dirs[model], partition, device="cuda")
+    graphs = Chain(tiny_dirs[model], partition, device="cuda", cuda_graph_max_bs=4)
+    for stage in graphs.stages:
+        assert stage.graphs is not None and stage.graphs.recorder.name == "cuda"
+    assert serve_greedy(graphs, prompts, new_tokens) == serve_greedy(eager, prompts, new_tokens)
+    assert all(stage.graphs.replays > 0 for stage in graphs.stages)
+
+
+def test_cuda_launch_returns_before_the_device_is_done_and_gives_the_run_output(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    """StageRunner.launch on a GPU: an overlapped handle whose seam lands in pinned host
+    memory and whose greedy tokens come back through a device event."""
+    chain = Chain(tiny_dirs["gqa"], [2, 2], device="cuda", cuda_graph_max_bs=4)
+    reference = Chain(tiny_dirs["gqa"], [2, 2], device="cuda")
+    prompts = random_seqs([9, 14, 6], seed=12)
+
+    def prefill(c: Chain) -> list[SeqChunk]:
+        return [SeqChunk(p, 0, c.blocks.grow([], len(p)), sample=True) for p in prompts]
+
+    chunks = prefill(chain)
+    first = chain.stages[0].launch(chunks)
+    assert first.overlaps and first.early_output is not None
+    seam = first.wait()
+    assert seam["hidden_states"].is_pinned() and seam["residual"].is_pinned()
+    last = chain.stages[1].launch(chunks, **seam)
+    tokens = last.wait().wait().token_ids  # the handle's output is a Sample
+    assert tokens == reference.sample(prefill(reference)).token_ids

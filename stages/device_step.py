@@ -1,0 +1,79 @@
+"""A step queued on a CUDA device, as the ring's loop sees it (`StepHandle`, `Sample`).
+
+`StageRunner.launch` on a GPU returns as soon as the step's kernels (or its graph replay) and
+the copies of its outputs to pinned host memory are queued; an event marks their end. The loop
+prepares the next step meanwhile (SGLang's overlap scheduling), and only `wait()` blocks, on
+the event, not on the whole device. Sampled greedy tokens travel the same way and are the last
+stage's only per-step wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from stages.batch import SampleResult
+from stages.contract import StageOutput, StepHandle
+
+# First guess of a step's device time, before one has been measured.
+FIRST_ESTIMATE_S = 0.005
+
+
+class StepClock:
+    """How long the device took for recent steps (a moving average), so the loop knows when a
+    queued step should be done (`StepHandle.ready_at`)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.estimate_s = FIRST_ESTIMATE_S
+        self.weight = weight
+
+    def record(self, seconds: float) -> None:
+        self.estimate_s += self.weight * (seconds - self.estimate_s)
+
+
+class DeviceSample:
+    """Greedy token ids [N] on their way into pinned host memory (the copy is queued)."""
+
+    def __init__(self, host_tokens: torch.Tensor) -> None:
+        self.host_tokens = host_tokens
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def is_ready(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> SampleResult:
+        self.event.synchronize()
+        return SampleResult(token_ids=self.host_tokens.tolist())
+
+
+class DeviceStep(StepHandle):
+    """A queued step: `output` (a seam in pinned host buffers, a share, or a sample) is valid
+    once the `end` event has completed. `start` and `end` are timing events around the step,
+    so each wait measures the device's own time for it, however late the host asks."""
+
+    overlaps = True
+
+    def __init__(
+        self,
+        output: StageOutput,
+        start: torch.cuda.Event,
+        end: torch.cuda.Event,
+        seam: bool,
+        launched_at: float,
+        clock: StepClock,
+    ) -> None:
+        self.output = output
+        self.start, self.end = start, end
+        # The seam's host tensors exist now, so the proxy header can be encoded while the
+        # device fills them; ZeroMQ reads them after `wait`.
+        self.early_output = output if seam else None  # type: ignore[assignment]
+        self.clock = clock
+        self.ready_at = launched_at + clock.estimate_s
+
+    def wait(self) -> StageOutput:
+        self.end.synchronize()
+        self.ended_at = time.monotonic()
+        self.clock.record(self.start.elapsed_time(self.end) / 1000)  # ms -> s
+        return self.output

@@ -1,0 +1,203 @@
+"""Decode attention on a GPU that reads the paged KV cache in place, as a Triton kernel.
+
+Why a kernel of our own: a decode step is launch-bound on a GPU (issue 13), and the torch path
+(stages/attention.py, "gather") builds a padded copy of every context with shapes that change
+every step, which no CUDA graph can replay. This kernel takes fixed-shape inputs (the batch's
+block table [B, max_blocks] and context lengths [B]) and loops over each context's pages on the
+device, so one captured launch serves every step of a batch size, whatever the lengths.
+
+One program per (sequence, KV head) handles that head's whole query group (GQA: h / h_kv query
+heads share one K/V read; MQA is the group of all heads). It walks the context 64 keys (four
+16-slot pages) at a time with an online softmax in fp32: scores [G, 64] = q [G, d] @ k^T, the
+running max and sum per query head, acc [G, d] += p @ v. The group is padded to 16 rows and d
+to a power of two for `tl.dot`; padded rows and columns are masked out of the loads and stores.
+fp32 inputs multiply in IEEE fp32 (not TF32), so fp32 stages keep their tolerance to
+transformers.
+
+Triton ships with the CUDA builds of torch; on a machine without it `available()` is False and
+the stage keeps the torch path. Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors,
+which is how the CPU tests check it against `reference_decode`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from stages.batch import BLOCK_SIZE
+
+PAGES_PER_ITERATION = 4  # keys per loop iteration: 4 pages of 16
+MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16
+
+
+def available() -> bool:
+    """Triton is importable (CUDA builds of torch ship it; the CPU build does not)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence against its paged context.
+
+    q: [B, h, d] (rotary applied); kv_layer: [2, slots, h_kv, d], K then V, this step's tokens
+    already written; block_table: [B, max_blocks] int32, the blocks of each sequence in position
+    order (entries past its context are never read); ctx_len: [B] int32, keys of each sequence
+    (>= 1). Returns [B, h, d] in q's dtype."""
+    kernel = _kernel()
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, kv_dim = kv_layer.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"q [{num_seqs}, {num_heads}, {head_dim}] does not fit K/V of {num_kv_heads} heads "
+            f"of {kv_dim}"
+        )
+    if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
+        raise ValueError("paged_decode needs q and the cache contiguous in their last dim")
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    keys, values = kv_layer[0], kv_layer[1]  # [slots, h_kv, d] each
+    kernel[(num_seqs, num_kv_heads)](
+        q,
+        keys,
+        values,
+        out,
+        block_table,
+        ctx_len,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        scale,
+        GROUP=group,
+        GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(MIN_DOT_ROWS, _next_power_of_2(head_dim)),
+        PAGE=BLOCK_SIZE,
+        BLOCK_N=BLOCK_SIZE * PAGES_PER_ITERATION,
+        IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+def reference_decode(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same attention in plain torch, one sequence at a time (for tests): [B, h, d]."""
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    for row in range(q.shape[0]):
+        n = int(ctx_len[row])
+        pos = torch.arange(n)
+        slots = block_table[row].long().cpu()[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        k, v = kv_layer[:, slots.to(kv_layer.device)].float()  # [n, h_kv, d] each
+        group = num_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)  # [n, h, d]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[row].float(), k) * scale  # [h, n]
+        out[row] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+_compiled = None
+
+
+def _kernel():  # -> the jitted Triton kernel
+    """Defined on first use: importing this module must not need Triton."""
+    global _compiled
+    if _compiled is not None:
+        return _compiled
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        block_table_ptr,
+        ctx_len_ptr,
+        stride_q_seq,
+        stride_q_head,
+        stride_kv_slot,
+        stride_kv_head,
+        stride_out_seq,
+        stride_out_head,
+        stride_table_seq,
+        scale,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_keys = tl.load(ctx_len_ptr + seq)
+        rows = tl.arange(0, GROUP_PAD)  # query heads of this group (padded)
+        dims = tl.arange(0, DIM_PAD)
+        row_ok = rows < GROUP
+        dim_ok = dims < HEAD_DIM
+        heads = kv_head * GROUP + rows
+        q = tl.load(
+            q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+            mask=row_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )  # [G, D]
+        running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        running_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        keys_n = tl.arange(0, BLOCK_N)
+        for first in range(0, num_keys, BLOCK_N):
+            pos = first + keys_n  # [N] positions in the sequence
+            key_ok = pos < num_keys
+            block = tl.load(
+                block_table_ptr + seq * stride_table_seq + pos // PAGE, mask=key_ok, other=0
+            )
+            slot = block.to(tl.int64) * PAGE + pos % PAGE  # [N]
+            kv_offsets = slot[:, None] * stride_kv_slot + kv_head * stride_kv_head + dims[None, :]
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G, N]
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(key_ok[None, :], scores * scale, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            p = tl.exp(scores - new_max[:, None])  # [G, N]
+            rescale = tl.exp(running_max - new_max)
+            running_sum = running_sum * rescale + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [N, D]
+            if IEEE:
+                acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+            running_max = new_max
+        out = acc / running_sum[:, None]
+        tl.store(
+            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+    _compiled = paged_decode_kernel
+    return _compiled
