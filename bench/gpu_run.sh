@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# The GPU run (issue 6), as one prepared script: a Llama-3.1-8B-shaped model with random bf16
-# weights, then on it
+# The GPU run (issue 13, item 5), as one prepared script: a Llama-3.1-8B-shaped model with
+# random bf16 weights, then on it
 #   1. the CUDA stage tests (tests/stages/test_cuda.py: ppring's logits on the GPU against
-#      transformers on the CPU),
-#   2. `ppring bench step`: the decode step time at batch 1, 16 and 64 against the HBM bound
-#      (weights read / measured copy bandwidth),
+#      transformers on the CPU; and tests/stages/test_cuda_graphs*.py where present),
+#   2. `ppring bench step`: the decode step time at batch 1, 16, 64 and 128 against the HBM
+#      bound, with CUDA graphs (the default) and without (--disable-cuda-graph, into no_graph/),
 #   3. `ppring bench serve`: PP=1 and PP=2 (two stage processes sharing the one GPU) and HF
-#      generate, closed loops at 1, 16 and 64 requests in flight.
+#      generate in bf16, eager and compiled (a static KV cache and torch.compile, warmed up
+#      untimed first), closed loops at 1, 16, 64 and 128 requests in flight.
 # Run it from the repository root on a machine with one CUDA GPU:
-#     bash bench/gpu_run.sh [OUT_DIR]
+#     bash bench/gpu_run.sh [OUT_DIR]     # default docs/perf/gpu (or $OUT where set)
+# Budget: 9 minutes on one H200, model creation included (BUDGET_S=540). Estimated from runs 1
+# and 2 (docs/perf/gpu): 2 min for the tests, the model and both step benches, 2-3 for the
+# rings, under 1 for HF eager, 2-3 for HF compiled (most of it compiling: not yet measured).
+# To fit, the serve workload is 128 requests (the fewest that fill 128 in flight) of 16-64 new
+# tokens (the mixed workload's prompts, its outputs halved), and `bench serve` runs under a
+# timeout of what is left: it writes its JSON after every layout and baseline, and HF compiled
+# runs last, so a cut loses only what was still running.
 # Wheels in .whl/ (pyzmq, where the machine lacks it) are installed into /tmp/site first.
 set -uo pipefail
 
-OUT_DIR=${1:-${OUT:-bench/results/gpu}}
+OUT_DIR=${1:-${OUT:-docs/perf/gpu}}
+BUDGET_S=${BUDGET_S:-540}
 # 16 GB of weights: in shared memory where it has room (no disk write, page-cache-fast loads).
 SHM_FREE_GB=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -n 1 | tr -dc 0-9)
 if [ "${SHM_FREE_GB:-0}" -ge 40 ]; then SCRATCH=/dev/shm; else SCRATCH=/tmp; fi
 MODEL_DIR=${MODEL_DIR:-$SCRATCH/llama-3.1-8b-random}
 # For a dry run on a CPU: PRESET=tiny DEVICE=cpu bash bench/gpu_run.sh /tmp/out
-# SERVE_ARGS: more flags for `bench serve`, e.g. SERVE_ARGS=--no-baseline
+# SERVE_ARGS: more flags for `bench serve`, later ones winning, e.g. SERVE_ARGS=--no-baseline
+# or SERVE_ARGS="--output-tokens 16,128" (the full mixed workload, if the budget allows)
 PRESET=${PRESET:-llama-3-8b}
 DEVICE=${DEVICE:-cuda}
 LOG_DIR=/tmp/ppring-gpu-logs
@@ -35,7 +45,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Whatever fails below, the logs travel back with the results.
 trap 'tar czf "$OUT_DIR/logs.tgz" -C "$LOG_DIR" . 2>/dev/null' EXIT
 
-stamp() { echo "== $(date +%T) $*"; }
+stamp() { echo "== $(date +%T) ${SECONDS}s $*"; }
 
 stamp "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv \
@@ -43,9 +53,23 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c 'import sys, torch, transformers, zmq; print(sys.version.split()[0], "torch",
     torch.__version__, "transformers", transformers.__version__, "pyzmq", zmq.__version__)' \
     | tee -a "$OUT_DIR/machine.txt" || exit 1
+# torch.compile's GPU kernels (Triton) build a host stub with a C compiler and Python's headers
+# at first use; a machine without them would fail HF compiled at the very end, so try now.
+HF_COMPILE=--hf-compile
+if python3 -c "import torch; f = torch.compile(lambda x: x.sin() + 1)
+f(torch.ones(8, device='$DEVICE'))" >"$LOG_DIR/compile_check.log" 2>&1; then
+    echo "torch.compile: works" | tee -a "$OUT_DIR/machine.txt"
+else
+    HF_COMPILE=""
+    echo "torch.compile: fails ($(tail -n 1 "$LOG_DIR/compile_check.log")); HF compiled skipped" \
+        | tee -a "$OUT_DIR/machine.txt"
+fi
 
 stamp "CUDA stage tests"
-python3 -m pytest -q -p no:cacheprovider tests/stages/test_cuda.py >"$OUT_DIR/test_cuda.txt" 2>&1
+shopt -s nullglob  # test_cuda_graphs*.py may not exist yet
+cuda_tests=(tests/stages/test_cuda.py tests/stages/test_cuda_graphs*.py)
+shopt -u nullglob
+python3 -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" >"$OUT_DIR/test_cuda.txt" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/test_cuda.txt"
 [ "$tests_rc" -eq 0 ] || exit 1  # timings of a wrong forward are worth nothing
@@ -54,14 +78,27 @@ stamp "random $PRESET (bf16) into $MODEL_DIR"
 python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEVICE" \
     --out "$MODEL_DIR" 2>&1 | grep -v "Writing model shards" || exit 1
 
-stamp "bench step"
-python3 -m launch bench step --model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" \
-    --batch-sizes 1,16,64 --context 512 --steps 20 --out "$OUT_DIR" 2>&1 \
+STEP_ARGS=(--model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" --batch-sizes 1,16,64,128
+    --context 512 --steps 20)
+stamp "bench step (CUDA graphs)"
+python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
     | tee "$LOG_DIR/bench_step.log"
+stamp "bench step --disable-cuda-graph"
+python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph --out "$OUT_DIR/no_graph" \
+    2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"
 
-stamp "bench serve"
-python3 -m launch bench serve --model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" \
-    --pp-sizes 1,2 --concurrency 1,16,64 --no-sweep --num-requests 128 \
-    --kv-memory-gib 8 --log-dir "$LOG_DIR" --out "$OUT_DIR" ${SERVE_ARGS:-} 2>&1 \
+# 16 GiB of KV a stage: 128 requests of the longest (512 + 64 tokens) at once fit at PP=1.
+# On a CPU (the dry run) a stage's KV is host memory, allocated whole: a tiny model needs little.
+if [ "$DEVICE" = cpu ]; then kv_gib=0.25; else kv_gib=16; fi
+left_s=$((BUDGET_S - SECONDS))
+[ "$left_s" -ge 60 ] || left_s=60
+stamp "bench serve (${left_s}s left)"
+# SIGINT: Python unwinds, so the rings are stopped and the JSON so far stays written.
+timeout -s INT -k 30 "$left_s" \
+    python3 -m launch bench serve --model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" \
+    --pp-sizes 1,2 --concurrency 1,16,64,128 --no-sweep --num-requests 128 \
+    --output-tokens 16,64 --hf-dtypes bfloat16 $HF_COMPILE \
+    --kv-memory-gib "$kv_gib" --log-dir "$LOG_DIR" --out "$OUT_DIR" ${SERVE_ARGS:-} 2>&1 \
     | tee "$LOG_DIR/bench_serve.log"
+[ "${PIPESTATUS[0]}" -eq 124 ] && echo "bench serve: cut at the ${BUDGET_S}s budget"
 stamp "done"

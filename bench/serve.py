@@ -1,7 +1,7 @@
 """`ppring bench serve`: the serving sweep, every layout and the baseline side by side in one run.
 
     ppring bench serve [--quick] [--workload mixed|equal] [--pp-sizes 1,2] [--concurrency 32]
-                       [--hf-dtypes float32,bfloat16] [--out DIR]
+                       [--hf-dtypes float32,bfloat16] [--hf-compile] [--out DIR]
 
 Two seeded workloads (bench/workload.py): `mixed` (prompts of 16-512 tokens, 16-128 new
 tokens each) and `equal` (prompts of 8-120 tokens, every request 64 new tokens: equal work,
@@ -16,7 +16,8 @@ machine's cores: PP=1 gets every thread, PP=2 half each), then sends the same wo
   layout sees the same rates); `--no-sweep` skips them.
 It records per request TTFT, TPOT and end-to-end latency as the client sees them, and per run
 the output tokens/s. Then the same prompts go through Hugging Face `generate` on static batches
-of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py). It writes
+of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py), and with `--hf-compile`
+once more per dtype with a static KV cache and `torch.compile` (layouts "... compiled"). It writes
 `bench_serve.json` and `bench_serve.png` (TPOT p50/p99 and output tokens/s, vs rate and, for
 several concurrencies, vs concurrency) into `--out`, and prints a table.
 """
@@ -104,6 +105,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="float32",
         help="HF generate baselines, e.g. float32,bfloat16 (float32: what a user gets by default)",
     )
+    parser.add_argument(
+        "--hf-compile", action="store_true", help="also each HF generate baseline with a static "
+        "KV cache and torch.compile (warmed up untimed first), as \"HF generate ... compiled\"",
+    )  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--backend", default=None, help="how requests are sent: ppring (its ZeroMQ client; "
@@ -333,11 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                 _sweep(args, targets, workload, points)
             # Written after every layout and baseline: a later failure loses nothing measured.
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
-    for hf_dtype in [] if args.no_baseline else args.hf_dtypes:
+    for name, hf_dtype, compiled in hf_baselines(args):
         from bench.hf_baseline import HFGenerate
 
-        name = hf_layout(hf_dtype)
-        hf = HFGenerate(model_dir, args.threads, hf_dtype, args.device)
+        hf = HFGenerate(model_dir, args.threads, hf_dtype, args.device, compiled=compiled)
         for concurrency in args.concurrencies:
             sub = _closed_subset(workload, concurrency, args.min_point_requests)
             with _progress(sub, f"{name} C={concurrency}") as bar:
@@ -388,9 +392,21 @@ def _sweep(
             points.append(_measure(target, sub, rate, args.concurrency, args.seed))
 
 
-def hf_layout(dtype: str) -> str:
+def hf_layout(dtype: str, compiled: bool = False) -> str:
     """The baseline's name: plain "HF generate" for float32, what a user gets by default."""
-    return "HF generate" if dtype == "float32" else f"HF generate {dtype}"
+    name = "HF generate" if dtype == "float32" else f"HF generate {dtype}"
+    return name + " compiled" if compiled else name
+
+
+def hf_baselines(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """(layout, dtype, compiled) of each HF generate baseline, in the order they run: eager
+    first (the first of them is the JSON's "baseline"), compiled last, as they take longest
+    (compiling) and a run cut short then keeps the eager ones."""
+    if args.no_baseline:
+        return []
+    runs = [(d, False) for d in args.hf_dtypes]
+    runs += [(d, True) for d in args.hf_dtypes] if args.hf_compile else []
+    return [(hf_layout(d, compiled), d, compiled) for d, compiled in runs]
 
 
 def _measure(
@@ -584,8 +600,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
     rows = [*result["points"], *baselines]
+    width = max([14, *(len(p["layout"]) + 2 for p in rows)])  # the layout column
     lines = [
-        f"{'layout':<14}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
+        f"{'layout':<{width}}{'load':>14}{'req':>5}{'tok/s':>9}{'TTFT p50':>12}{'TPOT p50':>11}"
         f"{'TPOT p99':>11}{'e2e p50':>10}",
     ]
     for p in rows:
@@ -595,8 +612,9 @@ def table(result: dict[str, Any]) -> str:
             else f"closed C={p['closed_loop_concurrency']}"
         )
         lines.append(
-            f"{p['layout']:<14}{load:>14}{p['num_requests']:>5}{p['output_tokens_per_s']:>9.1f}"
-            f"{_ms(p['ttft_p50_ms']):>12}{_ms(p['tpot_p50_ms']):>11}{_ms(p['tpot_p99_ms']):>11}"
+            f"{p['layout']:<{width}}{load:>14}{p['num_requests']:>5}"
+            f"{p['output_tokens_per_s']:>9.1f}{_ms(p['ttft_p50_ms']):>12}"
+            f"{_ms(p['tpot_p50_ms']):>11}{_ms(p['tpot_p99_ms']):>11}"
             f"{p['e2e_p50_ms'] / 1000:>9.1f}s"
         )
     head = result["headline"]
@@ -661,7 +679,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         baselines = result.get("baselines") or ([result["baseline"]] if result["baseline"] else [])
         series = [(layout, colors[layout], "o") for layout in layouts]
         hf_layouts = sorted({b["layout"] for b in baselines})
-        series += [(name, ("gray", "black")[i % 2], "^") for i, name in enumerate(hf_layouts)]
+        series += [  # compiled baselines point down
+            (name, ("gray", "black")[i % 2], "v" if name.endswith(" compiled") else "^")
+            for i, name in enumerate(hf_layouts)
+        ]
         for layout, color, marker in series:
             mine = sorted(
                 (p for p in [*closed, *baselines] if p["layout"] == layout),

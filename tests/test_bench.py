@@ -77,6 +77,54 @@ def test_serve_headline_table_and_plot(tmp_path):
     assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_hf_compile_adds_a_compiled_baseline_per_dtype_after_the_eager_ones():
+    args = serve_bench.parse_args(["--hf-dtypes", "float32,bfloat16", "--hf-compile"])
+    assert serve_bench.hf_baselines(args) == [
+        ("HF generate", "float32", False),
+        ("HF generate bfloat16", "bfloat16", False),
+        ("HF generate compiled", "float32", True),
+        ("HF generate bfloat16 compiled", "bfloat16", True),
+    ]
+    assert serve_bench.hf_baselines(serve_bench.parse_args([])) == [
+        ("HF generate", "float32", False)
+    ]
+    assert serve_bench.hf_baselines(serve_bench.parse_args(["--hf-compile", "--no-baseline"])) == []
+
+
+def test_a_compiled_baseline_is_reported_beside_the_eager_one(tmp_path):
+    eager, compiled = "HF generate bfloat16", "HF generate bfloat16 compiled"
+    baselines = [
+        fake_point(eager, None, 50.0, 40.0, 1),
+        fake_point(eager, None, 400.0, 80.0, 16),
+        fake_point(compiled, None, 100.0, 20.0, 1),
+        fake_point(compiled, None, 800.0, 40.0, 16),
+    ]
+    result = {
+        "model": "/m/llama",
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "threads": 16,
+        "concurrency": 16,
+        "points": [
+            fake_point("PP=1", None, 80.0, 25.0, 1),
+            fake_point("PP=1", None, 800.0, 50.0, 16),
+        ],
+        "baseline": baselines[1],  # the first baseline at the top concurrency: the eager one
+        "baselines": baselines,
+    }
+    head = serve_bench.headline(result)
+    assert head["saturation_tokens_per_s"][compiled] == 800.0
+    assert head["vs_hf_generate_bfloat16_compiled"] == {"PP=1": 1.0}
+    assert head["closed_loop_vs_baselines"]["1"][f"PP=1 / {compiled}"] == 0.8
+    assert head["closed_loop_tokens_per_s"]["1"] == {"PP=1": 80.0, eager: 50.0, compiled: 100.0}
+    result["headline"] = head
+    text = serve_bench.table(result)
+    assert f"{compiled}     closed C=16" in text  # the layout column fits the longest name
+    assert "saturation vs hf_generate_bfloat16_compiled (C=16): PP=1 1.00x" in text
+    serve_bench.plot(result, tmp_path / "serve.png")
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_serve_refuses_bad_arguments_with_one_line(capsys):
     bad_args = (
         ["--pp-sizes", "1,x"],
