@@ -2,7 +2,8 @@
 # The GPU run (issue 13, item 5), as one prepared script: a Llama-3.1-8B-shaped model with
 # random bf16 weights, then on it
 #   1. the CUDA stage tests (tests/stages/test_cuda.py: ppring's logits on the GPU against
-#      transformers on the CPU; and tests/stages/test_cuda_graphs*.py where present),
+#      transformers on the CPU, graph steps against eager steps; the graph bookkeeping and the
+#      Triton paged decode kernel against plain torch),
 #   2. `ppring bench step`: the decode step time at batch 1, 16, 64 and 128 against the HBM
 #      bound, with CUDA graphs (the default) and without (--disable-cuda-graph, into no_graph/),
 #   3. `ppring bench serve`: PP=1 and PP=2 (two stage processes sharing the one GPU) and HF
@@ -66,9 +67,8 @@ else
 fi
 
 stamp "CUDA stage tests"
-shopt -s nullglob  # test_cuda_graphs*.py may not exist yet
-cuda_tests=(tests/stages/test_cuda.py tests/stages/test_cuda_graphs*.py)
-shopt -u nullglob
+cuda_tests=(tests/stages/test_cuda.py tests/stages/test_cuda_graphs.py
+    tests/stages/test_triton_attention.py)
 python3 -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" >"$OUT_DIR/test_cuda.txt" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/test_cuda.txt"

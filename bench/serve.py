@@ -191,12 +191,14 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
     cmd = [
         sys.executable, "-m", "launch", "local", "--model", str(model_dir),
         "--http-port", str(http_port),
-        "--pp-size", str(pp_size), "--threads-per-stage", str(threads),
+        "--pp-size", str(pp_size),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
         "--quantization", args.quantization,
         "--log-dir", str(log_dir / f"pp{pp_size}"),
     ]  # fmt: skip
+    if args.device == "cpu":  # a GPU stage takes its own default (launch.flags.stage_threads)
+        cmd += ["--threads-per-stage", str(threads)]
     if args.pp_async_batch_depth is not None:
         cmd += ["--pp-async-batch-depth", str(args.pp_async_batch_depth)]
     if args.pp_max_micro_batch_size is not None:
