@@ -5,6 +5,10 @@ the copies of its outputs to pinned host memory are queued; an event marks their
 prepares the next step meanwhile (SGLang's overlap scheduling), and only `wait()` blocks, on
 the event, not on the whole device. Sampled greedy tokens travel the same way and are the last
 stage's only per-step wait.
+
+A stage on the host can take the same path (`StageRunner(overlap=True)`) with `HostEvent`s,
+which are done as soon as recorded: the step has run by then. The tests run real rings that way,
+so the queued path is exercised on every CI run, not only on a GPU.
 """
 
 from __future__ import annotations
@@ -32,12 +36,42 @@ class StepClock:
         self.estimate_s += self.weight * (seconds - self.estimate_s)
 
 
-class DeviceSample:
-    """Greedy token ids [N] on their way into pinned host memory (the copy is queued)."""
+class HostEvent:
+    """A CUDA event's stand-in for a step that ran on the host: complete once recorded."""
 
-    def __init__(self, host_tokens: torch.Tensor) -> None:
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.monotonic()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.at - self.at) * 1000  # ms, as torch.cuda.Event's
+
+
+Event = torch.cuda.Event | HostEvent
+
+
+def new_event(device: torch.device, timing: bool = False) -> Event:
+    """An event on the device's stream (CUDA), or a host stand-in."""
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=timing)
+    return HostEvent()
+
+
+class DeviceSample:
+    """Greedy token ids [N] on their way into pinned host memory (the copy is queued); `event`
+    is recorded here, after the copy."""
+
+    def __init__(self, host_tokens: torch.Tensor, event: Event) -> None:
         self.host_tokens = host_tokens
-        self.event = torch.cuda.Event()
+        self.event = event
         self.event.record()
 
     def is_ready(self) -> bool:
@@ -58,8 +92,8 @@ class DeviceStep(StepHandle):
     def __init__(
         self,
         output: StageOutput,
-        start: torch.cuda.Event,
-        end: torch.cuda.Event,
+        start: Event,
+        end: Event,
         seam: bool,
         launched_at: float,
         clock: StepClock,

@@ -26,7 +26,7 @@ from stages.cuda_graphs import (
     StepOutputs,
     capture_sizes,
 )
-from stages.device_step import DeviceSample, DeviceStep, StepClock
+from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs
 from stages.kv_cache import KVCache, num_blocks_for_budget
@@ -63,6 +63,7 @@ class StageRunner(Stage):
         split_lm_head: bool = False,
         cuda_graph_max_bs: int | None = None,
         graph_recorder: GraphRecorder | None = None,
+        overlap: bool | None = None,
     ) -> None:
         """`split_lm_head`: the first and the last stage each multiply by half of the
         vocabulary and the first samples (a one-stage ring has nothing to split).
@@ -70,7 +71,11 @@ class StageRunner(Stage):
         `cuda_graph_max_bs`: on a CUDA device, decode steps of up to this many sequences replay
         as CUDA graphs (stages/cuda_graphs.py), captured once the KV cache is allocated; None or
         0: every step runs eagerly. `graph_recorder` replaces the CUDA recorder (tests record
-        "graphs" on a CPU with `EagerRecorder`)."""
+        "graphs" on a CPU with `EagerRecorder`).
+
+        `overlap`: `launch` returns a queued step (stages/device_step.py); None: on a CUDA
+        device. On a CPU it gains nothing (the step has run when launch returns); the tests
+        turn it on there to run the GPU's path in real rings."""
         if num_threads is not None:
             # One stage per process: stages sharing a host must split its cores, or their
             # OpenMP thread pools fight and every op slows down many times over.
@@ -137,6 +142,7 @@ class StageRunner(Stage):
         self.graph_recorder = self._graph_recorder(cuda_graph_max_bs, graph_recorder)
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graph_recorder else None
         self.graphs: DecodeGraphs | None = None
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.clock = StepClock()
         logger.info(
             "%s CPU kernels: %s; attention: %s; weights: %s",
@@ -338,15 +344,17 @@ class StageRunner(Stage):
     ) -> StepHandle:
         """On a CUDA device the step is only queued when this returns: the seam is on its way
         to pinned host buffers, greedy tokens likewise, and an event marks the end; the ring
-        prepares its next step meanwhile. On a CPU, as `Stage.launch`: the step has run."""
-        if self.device.type != "cuda":
+        prepares its next step meanwhile. On a CPU, as `Stage.launch`: the step has run
+        (unless `overlap`, for tests)."""
+        if not self.overlap:
             return super().launch(chunks, hidden_states, residual, sampling, histories)
         launched = time.monotonic()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = new_event(self.device, timing=True), new_event(self.device, timing=True)
         start.record()
         step = self._forward(chunks, hidden_states, residual)
         output = self._finish(chunks, step, sampling, histories)
         if not self.is_last_stage:
+            # Fresh host tensors (a graph's outputs are overwritten by its next replay).
             output = Seam(hidden_states=_to_host(step.h), residual=_to_host(step.residual))
         elif isinstance(output, dict):  # a LogitsShare: every tensor to the host
             output = LogitsShare(**{k: _to_host(v) for k, v in output.items()})  # type: ignore[typeddict-item]
@@ -424,8 +432,9 @@ class StageRunner(Stage):
             if logits is None:
                 logits = self.model.compute_logits(step.h, step.residual, step.inputs.sample_rows)
             params = _picked_params(chunks, sampling)
-            if self.device.type == "cuda" and all(_plain_greedy(p) for p in params):
-                return DeviceSample(_to_host(logits.argmax(dim=-1)))
+            if self.overlap and all(_plain_greedy(p) for p in params):
+                tokens = _to_host(logits.argmax(dim=-1))  # [N]
+                return DeviceSample(tokens, new_event(self.device))
             return _sample_picked(logits, chunks, sampling, histories)
 
     def _share(
@@ -495,10 +504,10 @@ class Forward:
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor's copy in fresh pinned host memory, queued on the stream (the host does
-    not wait); torch's pinned-memory cache reuses the buffer only once the copy is done. A
-    host tensor is returned as it is."""
+    not wait); torch's pinned-memory cache reuses the buffer only once the copy is done. On the
+    host: a copy, so that nothing the stage writes later can reach it."""
     if tensor.device.type != "cuda":
-        return tensor
+        return tensor.clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
 

@@ -15,6 +15,7 @@ from protocol.sampling import SamplingParams
 from ring.config import RingConfig
 from ring.harness import ThreadRing
 from ring.loop import ModelInfo
+from stages.cuda_graphs import EagerRecorder
 from stages.partition import layer_range
 from stages.runner import StageRunner
 from tests.tiny_llama import make_tiny_llama
@@ -28,9 +29,18 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("pp_size", "depth", "split"), [(2, 0, False), (2, 0, True), (3, 1, True)])
-def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_size, depth, split):
-    """`split`: the lm_head split between the first and the last stage, the first sampling."""
+@pytest.mark.parametrize(
+    ("pp_size", "depth", "split", "queued"),
+    [(2, 0, False, False), (2, 0, True, False), (3, 1, True, False), (2, 0, False, True),
+     (3, 1, True, True)],
+)  # fmt: skip
+def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(
+    tiny, pp_size, depth, split, queued
+):
+    """`split`: the lm_head split between the first and the last stage, the first sampling.
+    `queued`: the stages take a GPU stage's path on the CPU: `launch` returns queued steps
+    (stages/device_step.py) and decodes run through the graphs' static buffers
+    (stages/cuda_graphs.py, recorded by EagerRecorder), padded to the captured sizes."""
     folder, model = tiny
     rng = random.Random(pp_size)
     requests = [
@@ -46,8 +56,19 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_si
 
     def make(c: RingConfig) -> StageRunner:
         start, end = layer_range(partition, c.rank)
+        device_path = (
+            {"overlap": True, "cuda_graph_max_bs": 4, "graph_recorder": EagerRecorder()}
+            if queued
+            else {}
+        )
         return StageRunner(
-            folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank, split_lm_head=split
+            folder,
+            start,
+            end,
+            kv_budget_bytes=4 << 20,
+            rank=c.rank,
+            split_lm_head=split,
+            **device_path,
         )
 
     with ThreadRing(cfg, make, ModelInfo(context_length=512), f"real{pp_size}") as ring:
@@ -55,7 +76,9 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(tiny, pp_si
         ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
         got = dict(ring.driver.tokens)
         continued = ring.loops[0].scheduler.stats.num_continued_chunks
+        replays = [loop.stage.graphs.replays for loop in ring.loops] if queued else []
     assert continued > 0  # prompts really were spread over slots
+    assert all(n > 0 for n in replays)  # decodes ran through the static buffers
     for rid, prompt, _ in requests:
         with torch.inference_mode():
             out = model.generate(
