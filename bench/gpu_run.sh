@@ -11,9 +11,13 @@
 #      untimed first), closed loops at 1, 16, 64 and 128 requests in flight.
 # Run it from the repository root on a machine with one CUDA GPU:
 #     bash bench/gpu_run.sh [OUT_DIR]     # default docs/perf/gpu (or $OUT where set)
-# Budget: 9 minutes on one H200, model creation included (BUDGET_S=540). Estimated from runs 1
-# and 2 (docs/perf/gpu): 2 min for the tests, the model and both step benches, 2-3 for the
-# rings, under 1 for HF eager, 2-3 for HF compiled (most of it compiling: not yet measured).
+# Budget: 8 minutes on one H200, model creation included (BUDGET_S=480), so that a session's
+# 15 device minutes hold a machine start and a second, shorter try. Estimated from runs 1 and 2
+# (docs/perf/gpu): 2 min for the tests, the model and both step benches, 2-3 for the rings,
+# under 1 for HF eager, 2-3 for HF compiled (most of it compiling: not yet measured). Each
+# phase has its own timeout; a failed test turns off what it tested (Triton attention, graphs)
+# and the benches go on, so one failure still brings figures back. Device call: carry .whl,
+# timeout_s about 540.
 # To fit, the serve workload is 128 requests (the fewest that fill 128 in flight) of 16-64 new
 # tokens (the mixed workload's prompts, its outputs halved), and `bench serve` runs under a
 # timeout of what is left: it writes its JSON after every layout and baseline, and HF compiled
@@ -22,7 +26,9 @@
 set -uo pipefail
 
 OUT_DIR=${1:-${OUT:-docs/perf/gpu}}
-BUDGET_S=${BUDGET_S:-540}
+# The device tool allows 600 s a command and 15 minutes of device time a session, machine start
+# included: 480 s leaves room for a second, shorter try.
+BUDGET_S=${BUDGET_S:-480}
 # 16 GB of weights: in shared memory where it has room (no disk write, page-cache-fast loads).
 SHM_FREE_GB=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -n 1 | tr -dc 0-9)
 if [ "${SHM_FREE_GB:-0}" -ge 40 ]; then SCRATCH=/dev/shm; else SCRATCH=/tmp; fi
@@ -32,7 +38,8 @@ MODEL_DIR=${MODEL_DIR:-$SCRATCH/llama-3.1-8b-random}
 # or SERVE_ARGS="--output-tokens 16,128" (the full mixed workload, if the budget allows)
 PRESET=${PRESET:-llama-3-8b}
 DEVICE=${DEVICE:-cuda}
-LOG_DIR=/tmp/ppring-gpu-logs
+# Under OUT_DIR, so the logs come back even if the run is killed before its exit trap.
+LOG_DIR=$OUT_DIR/logs
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1
 
@@ -42,9 +49,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-# Whatever fails below, the logs travel back with the results.
-trap 'tar czf "$OUT_DIR/logs.tgz" -C "$LOG_DIR" . 2>/dev/null' EXIT
 
 stamp() { echo "== $(date +%T) ${SECONDS}s $*"; }
 
@@ -67,12 +71,28 @@ else
 fi
 
 stamp "CUDA stage tests"
-cuda_tests=(tests/stages/test_cuda.py tests/stages/test_cuda_graphs.py
-    tests/stages/test_triton_attention.py)
-python3 -m pytest -q -p no:cacheprovider "${cuda_tests[@]}" >"$OUT_DIR/test_cuda.txt" 2>&1
+# The kernel first, then the graphs, then the stage: a failure does not stop the benches (their
+# figures are the point of the run); it turns off what failed, and the test output says why.
+GRAPH_FLAG=()
+timeout -k 10 90 python3 -m pytest -q -x -p no:cacheprovider tests/stages/test_triton_attention.py \
+    >"$OUT_DIR/test_triton.txt" 2>&1
+triton_rc=$?
+tail -n 5 "$OUT_DIR/test_triton.txt"
+if [ "$triton_rc" -ne 0 ]; then
+    echo "Triton kernel tests failed (rc $triton_rc): benches use torch's attention, no graphs"
+    export PPRING_TRITON_ATTENTION=0
+    GRAPH_FLAG=(--disable-cuda-graph)
+fi
+timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/stages/test_cuda.py \
+    tests/stages/test_cuda_graphs.py >"$OUT_DIR/test_cuda.txt" 2>&1
 tests_rc=$?
 tail -n 15 "$OUT_DIR/test_cuda.txt"
-[ "$tests_rc" -eq 0 ] || exit 1  # timings of a wrong forward are worth nothing
+if [ "$tests_rc" -ne 0 ] && grep -q "graph" <(grep -E "^(FAILED|ERROR)" "$OUT_DIR/test_cuda.txt"); then
+    echo "CUDA graph tests failed: benches run without graphs"
+    GRAPH_FLAG=(--disable-cuda-graph)
+elif [ "$tests_rc" -ne 0 ]; then
+    echo "CUDA stage tests failed (rc $tests_rc): the figures below are of a stage that is wrong"
+fi
 
 stamp "random $PRESET (bf16) into $MODEL_DIR"
 python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEVICE" \
@@ -80,12 +100,14 @@ python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEV
 
 STEP_ARGS=(--model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" --batch-sizes 1,16,64,128
     --context 512 --steps 20)
-stamp "bench step (CUDA graphs)"
-python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
-    | tee "$LOG_DIR/bench_step.log"
+if [ ${#GRAPH_FLAG[@]} -eq 0 ]; then
+    stamp "bench step (CUDA graphs)"
+    timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
+        | tee "$LOG_DIR/bench_step.log"
+fi
 stamp "bench step --disable-cuda-graph"
-python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph --out "$OUT_DIR/no_graph" \
-    2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"
+timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph \
+    --out "$OUT_DIR/no_graph" 2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"
 
 # 16 GiB of KV a stage: 128 requests of the longest (512 + 64 tokens) at once fit at PP=1.
 # On a CPU (the dry run) a stage's KV is host memory, allocated whole: a tiny model needs little.
@@ -97,7 +119,7 @@ stamp "bench serve (${left_s}s left)"
 timeout -s INT -k 30 "$left_s" \
     python3 -m launch bench serve --model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" \
     --pp-sizes 1,2 --concurrency 1,16,64,128 --no-sweep --num-requests 128 \
-    --output-tokens 16,64 --hf-dtypes bfloat16 $HF_COMPILE \
+    --output-tokens 16,64 --hf-dtypes bfloat16 $HF_COMPILE "${GRAPH_FLAG[@]}" \
     --kv-memory-gib "$kv_gib" --log-dir "$LOG_DIR" --out "$OUT_DIR" ${SERVE_ARGS:-} 2>&1 \
     | tee "$LOG_DIR/bench_serve.log"
 [ "${PIPESTATUS[0]}" -eq 124 ] && echo "bench serve: cut at the ${BUDGET_S}s budget"

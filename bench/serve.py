@@ -111,6 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--disable-cuda-graph", action="store_true", help="CUDA rings: every step eagerly"
+    )
+    parser.add_argument(
         "--backend", default=None, help="how requests are sent: ppring (its ZeroMQ client; "
         "the default), openai (its OpenAI HTTP API), or both: ppring,openai (alternated)",
     )  # fmt: skip
@@ -199,6 +202,8 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
     ]  # fmt: skip
     if args.device == "cpu":  # a GPU stage takes its own default (launch.flags.stage_threads)
         cmd += ["--threads-per-stage", str(threads)]
+    if args.disable_cuda_graph:
+        cmd += ["--disable-cuda-graph"]
     if args.pp_async_batch_depth is not None:
         cmd += ["--pp-async-batch-depth", str(args.pp_async_batch_depth)]
     if args.pp_max_micro_batch_size is not None:

@@ -17,6 +17,7 @@ are copied anyway (below ~64 KiB a copy is as fast as zero-copy, DESIGN.md §7).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -129,11 +130,25 @@ class PushChannel(_Channel):
         sock = _open(ctx, zmq.PUSH, addr, bind, {zmq.SNDHWM: 0}, security)
         super().__init__(sock, addr, Limits())
         self.queued: list[Any] = []  # frames of queued messages, sent as one by flush()
+        self.held = False
 
     def send(self, msg: Any) -> None:
-        """Send `msg` now (after anything queued, which goes first as its own message)."""
+        """Send `msg` now (after anything queued, which goes first as its own message); while
+        held, it joins the queued bundle instead, behind what is there."""
+        if self.held:
+            self.queue(msg)
+            return
         self.flush()
         self._send(encode(msg))
+
+    def hold(self) -> None:
+        """Until `release`: nothing leaves, not even by `send`. The ring holds its link while
+        a queued frame is still being written by a device (a seam queued before the GPU has
+        filled it, ring/loop.py): a control message forwarded meanwhile must not flush it."""
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
 
     def queue(self, msg: Any) -> None:
         """Add `msg` to the bundle `flush` sends. A ring stage queues its step's reqs, output
@@ -143,7 +158,7 @@ class PushChannel(_Channel):
         self.queued += encode(msg)
 
     def flush(self) -> None:
-        if self.queued:
+        if self.queued and not self.held:
             frames, self.queued = self.queued, []
             self._send(frames)
 
@@ -231,10 +246,27 @@ class DealerChannel(_Channel):
 
     def send(self, msg: Any, timeout_s: float | None = None) -> None:
         """Send `msg`; with `timeout_s`, raise ChannelTimeout if no peer takes it by then. (A
-        DEALER blocks while it has no connected peer, e.g. a CURVE server refusing it.)"""
-        if timeout_s is not None and not self.sock.poll(_timeout_ms(timeout_s), zmq.POLLOUT):
-            raise ChannelTimeout(f"cannot send to {self.addr} within {timeout_s:.3g} s")
-        _send_frames(self.sock, encode(msg))
+        DEALER blocks while it has no connected peer, e.g. a CURVE server refusing it.)
+
+        Tried without blocking, and polled between tries, until the deadline: a pipe can
+        appear and go again between a poll and a blocking send (a CURVE server dropping a
+        refused peer), and such a send would then wait forever (it did, once in CI)."""
+        frames = encode(msg)
+        if timeout_s is None:
+            _send_frames(self.sock, frames)
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                _send_frames(self.sock, frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass  # no peer takes it now (or it went since the last poll)
+            remaining_ms = _timeout_ms(deadline - time.monotonic())
+            if remaining_ms:
+                self.sock.poll(remaining_ms, zmq.POLLOUT)
+            elif time.monotonic() >= deadline:
+                raise ChannelTimeout(f"cannot send to {self.addr} within {timeout_s:.3g} s")
 
     def recv(self, timeout_s: float | None = None) -> Any:
         if timeout_s is not None and not self.sock.poll(_timeout_ms(timeout_s)):

@@ -88,7 +88,8 @@ class StageLoop:
                 split_lm_head=self.cfg.split_lm_head,
             )
         )
-        self.stage.allocate_kv(agreed)
+        self.stage.allocate_kv(agreed)  # on a GPU this also captures the decode graphs
+        self.control.last_heard = time.monotonic()  # the capture is not the ring's silence
         self.scheduler = Scheduler(
             self.cfg, agreed, self.model.context_length, self.model.eos_token_ids
         )
@@ -155,10 +156,17 @@ class StageLoop:
         If the due output has not arrived when the forward is done, the proxy goes first, as
         without overlap, so a late output never holds the next stage up (and a lost message is
         still caught at the next stage as a step gap)."""
+        held = handle.early_output is not None and self.links.next is not None
         if handle.early_output is not None:
             self.tail.send_result(batch, handle.early_output)
-        prepared_early = self._prepare_during(step, handle)
-        result = self._wait(handle)
+        if held:  # its tensors are still being filled: nothing flushes it before the wait
+            self.links.next.hold()
+        try:
+            prepared_early = self._prepare_during(step, handle)
+            result = self._wait(handle)
+        finally:
+            if held:
+                self.links.next.release()
         if handle.early_output is None:  # sampled tokens: they exist only now
             self.tail.send_result(batch, result)
         if not prepared_early:

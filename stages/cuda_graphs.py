@@ -184,6 +184,9 @@ class GraphRecorder:
     def record(self, step: Callable[[], StepOutputs]) -> tuple[Callable[[], None], StepOutputs]:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Forget earlier captures (the KV cache they read is being replaced)."""
+
 
 class EagerRecorder(GraphRecorder):
     """No graph: a replay runs `step` again and copies its results into the first call's
@@ -212,9 +215,16 @@ class CudaRecorder(GraphRecorder):
 
     def __init__(self) -> None:
         self.pool = None
+        # One side stream for every warm-up: cuBLAS keeps a workspace per stream it runs on.
+        self.side: torch.cuda.Stream | None = None
+
+    def reset(self) -> None:
+        self.pool = None
 
     def record(self, step: Callable[[], StepOutputs]) -> tuple[Callable[[], None], StepOutputs]:
-        side = torch.cuda.Stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):

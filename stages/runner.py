@@ -28,7 +28,7 @@ from stages.cuda_graphs import (
 )
 from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
-from stages.inputs import ForwardInputs, build_inputs
+from stages.inputs import ForwardInputs, build_inputs, on_device
 from stages.kv_cache import KVCache, num_blocks_for_budget
 from stages.linear import check_quantization
 from stages.llama import Kind, LlamaStage
@@ -136,9 +136,7 @@ class StageRunner(Stage):
         # gathers each context's K and V for SDPA (stages/attention.py). On a GPU with Triton,
         # decode-only batches read in place too (stages/triton_attention.py).
         self.attention = "paged" if kernels is not None else "gather"
-        self.paged_decode = self.attention == "paged" or (
-            self.device.type == "cuda" and triton_attention.available()
-        )
+        self.paged_decode = self.attention == "paged" or self._triton_decode()
         self.graph_recorder = self._graph_recorder(cuda_graph_max_bs, graph_recorder)
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graph_recorder else None
         self.graphs: DecodeGraphs | None = None
@@ -239,6 +237,8 @@ class StageRunner(Stage):
                 f"{self._num_kv_blocks}"
             )
         self.kv = self.graphs = None  # free the old cache (and graphs over it) first
+        if self.graph_recorder is not None:
+            self.graph_recorder.reset()
         # With graphs, one block more: the scratch block that padding rows write to, which the
         # ring never hands out (it knows num_blocks).
         self.kv = KVCache(
@@ -255,6 +255,19 @@ class StageRunner(Stage):
         if self.graph_recorder is not None:
             self._capture_graphs(num_blocks)
 
+    def _triton_decode(self) -> bool:
+        """A GPU stage reads the paged cache with the Triton kernel where it builds and checks
+        out (stages/triton_attention.py); otherwise torch's gather path, without graphs."""
+        if self.device.type != "cuda":
+            return False
+        cfg = self.config
+        reason = triton_attention.unusable_reason(
+            self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        if reason is not None:
+            logger.warning("%s decode attention: torch's gather path (%s)", self.log_prefix, reason)
+        return reason is None
+
     def _graph_recorder(
         self, max_bs: int | None, recorder: GraphRecorder | None
     ) -> GraphRecorder | None:
@@ -268,8 +281,7 @@ class StageRunner(Stage):
             return None
         if not self.paged_decode:
             logger.warning(
-                "%s CUDA graphs off: decode attention inside a graph needs Triton, which this "
-                "torch build lacks",
+                "%s CUDA graphs off: decode attention inside a graph needs the Triton kernel",
                 self.log_prefix,
             )
             return None
@@ -475,7 +487,8 @@ class StageRunner(Stage):
         if not picked:
             return SampleResult(token_ids=[])
         with torch.inference_mode():
-            own = self.model.lm_head(share["hidden"].to(self.device, self.dtype))  # [N, cut]
+            hidden = on_device(share["hidden"], self.device).to(self.device, self.dtype)
+            own = self.model.lm_head(hidden)  # [N, cut]
             if share["best_token"].numel():  # plain greedy: the better of two maxima
                 best_own = own.argmax(dim=-1)  # [N]
                 own_logit = own.gather(1, best_own[:, None]).squeeze(1)

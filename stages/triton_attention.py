@@ -21,7 +21,9 @@ which is how the CPU tests check it against `reference_decode`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 
 import torch
 
@@ -29,11 +31,39 @@ from stages.batch import BLOCK_SIZE
 
 PAGES_PER_ITERATION = 4  # keys per loop iteration: 4 pages of 16
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16
+DISABLE_ENV = "PPRING_TRITON_ATTENTION"  # "0": a GPU stage keeps the torch path (no graphs)
 
 
 def available() -> bool:
     """Triton is importable (CUDA builds of torch ship it; the CPU build does not)."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def unusable_reason(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> str | None:
+    """Why a stage on `device` cannot use the kernel for its heads and dtype, or None. Checked
+    once at start-up by building it and comparing one small batch with `reference_decode`: a
+    machine whose Triton cannot compile (no C compiler, no Python headers) or a kernel that
+    is wrong there falls back to torch's path with one log line, instead of failing requests."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"{DISABLE_ENV}=0"
+    if not available():
+        return "Triton is not installed"
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 4 * BLOCK_SIZE, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(3, num_heads, head_dim, generator=gen)
+    table = torch.tensor([[2, 0, 3, 1], [1, 3, 0, 2], [3, 2, 1, 0]], dtype=torch.int32)
+    ctx_len = torch.tensor([1, 40, 64], dtype=torch.int32)
+    args = (q.to(device, dtype), kv.to(device, dtype), table.to(device), ctx_len.to(device))
+    try:
+        got = paged_decode(*args, head_dim**-0.5).float()
+    except Exception as exc:  # a compiler or driver error: whatever it is, fall back
+        return f"the kernel failed to build or run ({type(exc).__name__}: {exc})"
+    error = (got - reference_decode(*args, head_dim**-0.5).float()).abs().max().item()
+    limit = 1e-4 if dtype == torch.float32 else 3e-2
+    return None if error < limit else f"the kernel's result is off by {error:.2e}"
 
 
 def paged_decode(
@@ -49,7 +79,6 @@ def paged_decode(
     already written; block_table: [B, max_blocks] int32, the blocks of each sequence in position
     order (entries past its context are never read); ctx_len: [B] int32, keys of each sequence
     (>= 1). Returns [B, h, d] in q's dtype."""
-    kernel = _kernel()
     num_seqs, num_heads, head_dim = q.shape
     _, _, num_kv_heads, kv_dim = kv_layer.shape
     if kv_dim != head_dim or num_heads % num_kv_heads:
@@ -62,7 +91,7 @@ def paged_decode(
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     keys, values = kv_layer[0], kv_layer[1]  # [slots, h_kv, d] each
-    kernel[(num_seqs, num_kv_heads)](
+    _kernel()[(num_seqs, num_kv_heads)](
         q,
         keys,
         values,

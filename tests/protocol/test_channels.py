@@ -12,8 +12,10 @@ from protocol.channels import (
     AsyncDealerChannel,
     AsyncRouterChannel,
     ChannelTimeout,
+    DealerChannel,
     PullChannel,
     PushChannel,
+    RouterChannel,
 )
 from protocol.messages import Abort, Done, Proxy, Reqs
 
@@ -41,6 +43,33 @@ def test_inproc_links_work_between_threads_of_one_process(ctx):
     assert pull.recv(timeout_s=5) == Reqs(slot=0, step=0)
     push.close(0)
     pull.close(0)
+
+
+def test_a_held_link_sends_nothing_until_released_and_keeps_the_order(link):
+    """The ring holds its link while a device still fills a queued seam: a control message
+    sent meanwhile joins the bundle behind it instead of flushing it early."""
+    push, pull = link
+    push.queue(Reqs(slot=0, step=0))
+    push.hold()
+    push.send(Abort(rid="a"))  # would flush the bundle if the link were not held
+    push.flush()
+    assert not pull.poll(0.2)
+    push.release()
+    push.flush()
+    assert pull.recv_many(timeout_s=5) == [Reqs(slot=0, step=0), Abort(rid="a")]
+
+
+def test_a_dealer_send_with_a_zero_timeout_goes_at_once_to_a_live_peer(ctx):
+    """A timeout bounds the wait for a peer; it never stops a send a peer can take now (the
+    refused-peer case, where the wait is what matters, is in test_curve.py)."""
+    router = RouterChannel("tcp://127.0.0.1:*", ctx=ctx)
+    dealer = DealerChannel(router.addr, ctx=ctx)
+    try:
+        dealer.send(Reqs(slot=0, step=0), timeout_s=0)
+        assert router.recv(timeout_s=5)[1] == Reqs(slot=0, step=0)
+    finally:
+        dealer.close(0)
+        router.close(0)
 
 
 def test_receive_timeout_raises_channel_timeout(link):

@@ -18,7 +18,7 @@ import torch
 from stages import triton_attention
 from stages.batch import BLOCK_SIZE
 
-pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="needs Triton")
+needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="needs Triton")
 
 CUDA = torch.cuda.is_available()
 # bf16's tl.dot does not run in the interpreter (numpy has no bf16): fp16 stands in there.
@@ -50,6 +50,7 @@ def tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+@needs_triton
 @pytest.mark.skipif(not CUDA, reason="the kernel compiled for a GPU")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,21 +60,25 @@ def test_paged_decode_matches_plain_attention_on_the_gpu(
     assert max_error(heads, kv_heads, head_dim, dtype) < tolerance(dtype)
 
 
+@needs_triton
 @pytest.mark.skipif(CUDA, reason="the GPU test above runs the kernel itself")
 def test_paged_decode_matches_plain_attention_in_the_interpreter() -> None:
     """In a process of its own: Triton reads TRITON_INTERPRET when it is imported."""
     script = (
         "import json, torch; from tests.stages import test_triton_attention as t; "
         "print(json.dumps([[str(d), s, t.max_error(*s, d), t.tolerance(d)] "
-        "for s in t.SHAPES for d in t.DTYPES]))"
+        "for s in t.SHAPES for d in t.DTYPES] + [t.triton_attention.unusable_reason("
+        "torch.device('cpu'), 32, 8, 128, torch.float32)]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    for dtype, shape, error, limit in json.loads(done.stdout.strip().splitlines()[-1]):
+    *errors, start_up_check = json.loads(done.stdout.strip().splitlines()[-1])
+    for dtype, shape, error, limit in errors:
         assert error < limit, f"{dtype} heads/kv_heads/d {shape}: max abs error {error:.2e}"
+    assert start_up_check is None  # the stage's own check, at Llama-3-8B's heads
 
 
 def test_paged_decode_refuses_heads_that_do_not_group() -> None:
@@ -82,3 +87,13 @@ def test_paged_decode_refuses_heads_that_do_not_group() -> None:
     one = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="does not fit"):
         triton_attention.paged_decode(q, kv, one.view(1, 1), one, 1.0)
+
+
+def test_a_gpu_stage_is_told_why_it_cannot_use_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    check = triton_attention.unusable_reason.__wrapped__  # uncached
+    device = torch.device("cpu")
+    monkeypatch.setenv(triton_attention.DISABLE_ENV, "0")
+    assert check(device, 4, 2, 16, torch.float32) == "PPRING_TRITON_ATTENTION=0"
+    monkeypatch.delenv(triton_attention.DISABLE_ENV)
+    monkeypatch.setattr(triton_attention, "available", lambda: False)
+    assert check(device, 4, 2, 16, torch.float32) == "Triton is not installed"
