@@ -32,7 +32,7 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInpu
         if paged.max_q_len != 1:
             raise ValueError("the GPU's paged attention takes decode-only batches")
         return triton_attention.paged_decode(
-            q, kv_layer, paged.block_table, paged.ctx_len, q.shape[-1] ** -0.5
+            q, kv_layer, paged.block_table, paged.ctx_len, q.shape[-1] ** -0.5, paged.num_splits
         )
     if paged is not None:
         kernels = native.kernels()

@@ -15,7 +15,8 @@ input lives in a static buffer that each step overwrites, and every shape is fix
   one block more than the ring agreed), read one key of it, and their outputs are cut off;
 - attention reads K/V through the static block table in place (stages/triton_attention.py on a
   GPU, the paged kernel on a CPU), looping to each row's own context length: a graph serves
-  every step of its size, whatever the lengths.
+  every step of its size, whatever the lengths. On a GPU, small sizes split each context into
+  parts walked by separate programs (flash-decoding), so the device is not left mostly idle.
 
 Graphs of all sizes share one memory pool and are captured largest first, so the smaller ones
 reuse its memory. On the last stage the graph ends with the lm_head, so the logits come out of
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stages import triton_attention
 from stages.batch import BLOCK_SIZE, SeqChunk
 from stages.inputs import ForwardInputs, PagedAttn
 
@@ -82,8 +84,10 @@ class StaticDecodeInputs:
         hidden_size: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        num_kv_heads: int = 1,
     ) -> None:
         self.max_batch, self.max_blocks, self.pad_block = max_batch, max_blocks, pad_block
+        self.num_kv_heads = num_kv_heads  # for the attention's split of contexts
         self.device = device
         self.pinned = device.type == "cuda"  # host staging in pinned memory: async copies
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B]
@@ -130,6 +134,8 @@ class StaticDecodeInputs:
                 ctx_len=self.ctx_len[:batch],
                 block_table=self.block_table[:batch],
                 max_q_len=1,
+                # A graph pays one launch for the join: at small batches the split is worth it.
+                num_splits=triton_attention.splits_for(batch, self.num_kv_heads, self.device),
             ),
         )
 

@@ -57,6 +57,7 @@ class PagedAttn:
     ctx_len: torch.Tensor  # [N] int32, its keys: seq_len (earlier context + this chunk)
     block_table: torch.Tensor  # [N, max_blocks] int32; entries past a context are never read
     max_q_len: int  # the most rows of any chunk: 1 for a decode-only batch
+    num_splits: int = 1  # GPU decode: parts each context is walked in (triton_attention.py)
 
 
 @dataclass

@@ -297,6 +297,7 @@ class StageRunner(Stage):
             hidden_size=None if self.is_first_stage else self.config.hidden_size,
             dtype=self.dtype,
             device=self.device,
+            num_kv_heads=self.config.num_kv_heads,
         )
         graphs = DecodeGraphs(
             self._graph_step, buffers, capture_sizes(self.cuda_graph_max_bs), self.graph_recorder

@@ -14,6 +14,11 @@ to a power of two for `tl.dot`; padded rows and columns are masked out of the lo
 fp32 inputs multiply in IEEE fp32 (not TF32), so fp32 stages keep their tolerance to
 transformers.
 
+At small batches B * h_kv programs leave most of a GPU idle (8 at batch 1 for Llama-3-8B, on 132
+multiprocessors), each walking its context alone. So inside a graph each context is split into
+parts (flash-decoding): a third grid axis, each part keeping its own max, sum and unnormalized
+output, and a second kernel joins them, weighting each part by exp(its max - the overall max).
+
 Triton ships with the CUDA builds of torch; on a machine without it `available()` is False and
 the stage keeps the torch path. Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors,
 which is how the CPU tests check it against `reference_decode`.
@@ -30,6 +35,7 @@ import torch
 from stages.batch import BLOCK_SIZE
 
 PAGES_PER_ITERATION = 4  # keys per loop iteration: 4 pages of 16
+MAX_SPLITS = 16  # parts a context is walked in, at most
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16
 DISABLE_ENV = "PPRING_TRITON_ATTENTION"  # "0": a GPU stage keeps the torch path (no graphs)
 
@@ -66,19 +72,34 @@ def unusable_reason(
     return None if error < limit else f"the kernel's result is off by {error:.2e}"
 
 
+def splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """How many parts each context is split into (flash-decoding): one program per (sequence,
+    KV head) leaves most of a GPU idle at small batches, each program walking its whole context
+    alone; with parts, programs cover at least two per multiprocessor and a second kernel joins
+    them. One on a CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-target // programs)))
+
+
 def paged_decode(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
     block_table: torch.Tensor,
     ctx_len: torch.Tensor,
     scale: float,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """One query per sequence against its paged context.
 
     q: [B, h, d] (rotary applied); kv_layer: [2, slots, h_kv, d], K then V, this step's tokens
     already written; block_table: [B, max_blocks] int32, the blocks of each sequence in position
     order (entries past its context are never read); ctx_len: [B] int32, keys of each sequence
-    (>= 1). Returns [B, h, d] in q's dtype."""
+    (>= 1). `num_splits` > 1: each context is walked in that many parts, joined after (a
+    second launch: worth it inside a CUDA graph at small batches, `splits_for`). Returns
+    [B, h, d] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     _, _, num_kv_heads, kv_dim = kv_layer.shape
     if kv_dim != head_dim or num_heads % num_kv_heads:
@@ -88,14 +109,25 @@ def paged_decode(
         )
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs q and the cache contiguous in their last dim")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_heads // num_kv_heads
+    dim_pad = max(MIN_DOT_ROWS, _next_power_of_2(head_dim))
     out = torch.empty_like(q)
     keys, values = kv_layer[0], kv_layer[1]  # [slots, h_kv, d] each
-    _kernel()[(num_seqs, num_kv_heads)](
+    # The parts' unnormalized outputs [B, h, S, d] and their running max and sum [B, h, S], in
+    # fp32; with one part the kernel writes `out` itself and these are not read.
+    parts = num_splits if num_splits > 1 else 0
+    acc = torch.empty(num_seqs, num_heads, parts, head_dim, device=q.device)
+    stats = torch.empty(2, num_seqs, num_heads, parts, device=q.device)  # max, sum
+    attend, join = _kernels()
+    attend[(num_seqs, num_kv_heads, num_splits)](
         q,
         keys,
         values,
         out,
+        acc,
+        stats,
         block_table,
         ctx_len,
         q.stride(0),
@@ -106,14 +138,30 @@ def paged_decode(
         out.stride(1),
         block_table.stride(0),
         scale,
+        NUM_SPLITS=num_splits,
+        NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(MIN_DOT_ROWS, _next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        DIM_PAD=max(MIN_DOT_ROWS, _next_power_of_2(head_dim)),
+        DIM_PAD=dim_pad,
         PAGE=BLOCK_SIZE,
         BLOCK_N=BLOCK_SIZE * PAGES_PER_ITERATION,
         IEEE=q.dtype == torch.float32,
     )
+    if num_splits > 1:
+        join[(num_seqs, num_heads)](
+            acc,
+            stats,
+            out,
+            num_seqs,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=_next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad,
+        )
     return out
 
 
@@ -147,7 +195,7 @@ def _next_power_of_2(n: int) -> int:
 _compiled = None
 
 
-def _kernel():  # -> the jitted Triton kernel
+def _kernels():  # -> the jitted Triton kernels (attend, join)
     """Defined on first use: importing this module must not need Triton."""
     global _compiled
     if _compiled is not None:
@@ -156,11 +204,13 @@ def _kernel():  # -> the jitted Triton kernel
     import triton.language as tl
 
     @triton.jit
-    def paged_decode_kernel(
+    def attend_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
         out_ptr,
+        acc_ptr,
+        stats_ptr,
         block_table_ptr,
         ctx_len_ptr,
         stride_q_seq,
@@ -171,6 +221,8 @@ def _kernel():  # -> the jitted Triton kernel
         stride_out_head,
         stride_table_seq,
         scale,
+        NUM_SPLITS: tl.constexpr,
+        NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -181,7 +233,12 @@ def _kernel():  # -> the jitted Triton kernel
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         num_keys = tl.load(ctx_len_ptr + seq)
+        # This part's keys: [key_start, key_end), whole loop iterations of BLOCK_N.
+        per_split = tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        key_start = split * per_split
+        key_end = tl.minimum(key_start + per_split, num_keys)
         rows = tl.arange(0, GROUP_PAD)  # query heads of this group (padded)
         dims = tl.arange(0, DIM_PAD)
         row_ok = rows < GROUP
@@ -196,9 +253,9 @@ def _kernel():  # -> the jitted Triton kernel
         running_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         keys_n = tl.arange(0, BLOCK_N)
-        for first in range(0, num_keys, BLOCK_N):
+        for first in range(key_start, key_end, BLOCK_N):
             pos = first + keys_n  # [N] positions in the sequence
-            key_ok = pos < num_keys
+            key_ok = pos < key_end
             block = tl.load(
                 block_table_ptr + seq * stride_table_seq + pos // PAGE, mask=key_ok, other=0
             )
@@ -221,12 +278,57 @@ def _kernel():  # -> the jitted Triton kernel
             else:
                 acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
             running_max = new_max
-        out = acc / running_sum[:, None]
+        out_mask = row_ok[:, None] & dim_ok[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(
+                out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+                (acc / running_sum[:, None]).to(out_ptr.dtype.element_ty),
+                mask=out_mask,
+            )
+        else:
+            # [B, h, S, d] and [2, B, h, S], contiguous; an empty part leaves max -inf, sum 0.
+            part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [G]
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=out_mask)
+            tl.store(stats_ptr + part, running_max, mask=row_ok)
+            tl.store(stats_ptr + tl.num_programs(0) * NUM_HEADS * NUM_SPLITS + part,
+                     running_sum, mask=row_ok)  # fmt: skip
+
+    @triton.jit
+    def join_kernel(
+        acc_ptr,
+        stats_ptr,
+        out_ptr,
+        num_seqs,
+        stride_out_seq,
+        stride_out_head,
+        NUM_HEADS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        splits = tl.arange(0, SPLITS_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        split_ok = splits < NUM_SPLITS
+        part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits  # [S]
+        part_max = tl.load(stats_ptr + part, mask=split_ok, other=float("-inf"))
+        part_sum = tl.load(stats_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part, mask=split_ok,
+                           other=0.0)  # fmt: skip
+        top = tl.max(part_max, axis=0)  # finite: the first part holds at least one key
+        weight = tl.exp(part_max - top)  # [S]; 0 for an empty part
+        acc = tl.load(
+            acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+            mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],
+            other=0.0,
+        )  # [S, D]
+        total = tl.sum(acc * weight[:, None], axis=0) / tl.sum(part_sum * weight, axis=0)
         tl.store(
-            out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
+            out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+            total.to(out_ptr.dtype.element_ty),
+            mask=dims < HEAD_DIM,
         )
 
-    _compiled = paged_decode_kernel
+    _compiled = attend_kernel, join_kernel
     return _compiled

@@ -25,9 +25,12 @@ CUDA = torch.cuda.is_available()
 HALF = torch.bfloat16 if CUDA else torch.float16
 SHAPES = [(4, 2, 16), (9, 3, 64), (8, 1, 32), (4, 4, 24)]  # GQA, group of 3, MQA, MHA d 24
 DTYPES = [torch.float32, HALF]
+SPLITS = [1, 3, 16]  # one part; parts of 64 keys, some empty; more parts than any context needs
 
 
-def max_error(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> float:
+def max_error(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, num_splits: int = 1
+) -> float:
     """The kernel's largest difference from plain torch over contexts across page and loop
     boundaries (16 keys a page, 64 a loop), with scattered block tables."""
     device = "cuda" if CUDA else "cpu"
@@ -41,7 +44,7 @@ def max_error(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> f
     q, kv = q.to(device, dtype), kv.to(device, dtype)
     table, ctx_len = table.to(device, torch.int32), ctx_len.to(device)
     scale = head_dim**-0.5
-    got = triton_attention.paged_decode(q, kv, table, ctx_len, scale)
+    got = triton_attention.paged_decode(q, kv, table, ctx_len, scale, num_splits)
     expected = triton_attention.reference_decode(q, kv, table, ctx_len, scale)
     return (got.float() - expected.float()).abs().max().item()
 
@@ -54,10 +57,11 @@ def tolerance(dtype: torch.dtype) -> float:
 @pytest.mark.skipif(not CUDA, reason="the kernel compiled for a GPU")
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", SPLITS)
 def test_paged_decode_matches_plain_attention_on_the_gpu(
-    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, num_splits: int
 ) -> None:
-    assert max_error(heads, kv_heads, head_dim, dtype) < tolerance(dtype)
+    assert max_error(heads, kv_heads, head_dim, dtype, num_splits) < tolerance(dtype)
 
 
 @needs_triton
@@ -66,9 +70,9 @@ def test_paged_decode_matches_plain_attention_in_the_interpreter() -> None:
     """In a process of its own: Triton reads TRITON_INTERPRET when it is imported."""
     script = (
         "import json, torch; from tests.stages import test_triton_attention as t; "
-        "print(json.dumps([[str(d), s, t.max_error(*s, d), t.tolerance(d)] "
-        "for s in t.SHAPES for d in t.DTYPES] + [t.triton_attention.unusable_reason("
-        "torch.device('cpu'), 32, 8, 128, torch.float32)]))"
+        "print(json.dumps([[str(d), [*s, n], t.max_error(*s, d, n), t.tolerance(d)] "
+        "for s in t.SHAPES for d in t.DTYPES for n in t.SPLITS] + "
+        "[t.triton_attention.unusable_reason(torch.device('cpu'), 32, 8, 128, torch.float32)]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
@@ -77,7 +81,7 @@ def test_paged_decode_matches_plain_attention_in_the_interpreter() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     *errors, start_up_check = json.loads(done.stdout.strip().splitlines()[-1])
     for dtype, shape, error, limit in errors:
-        assert error < limit, f"{dtype} heads/kv_heads/d {shape}: max abs error {error:.2e}"
+        assert error < limit, f"{dtype} heads/kv_heads/d/splits {shape}: max error {error:.2e}"
     assert start_up_check is None  # the stage's own check, at Llama-3-8B's heads
 
 
