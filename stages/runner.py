@@ -380,12 +380,16 @@ class StageRunner(Stage):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         all_rows: bool = False,
+        graphs: bool = False,
     ) -> torch.Tensor:
         """Last stage: run `chunks` and return fp32 logits, [T, V] for every row if `all_rows`,
-        else [num_sampled, V] for the sampled rows. For parity tests and tools (always eager)."""
+        else [num_sampled, V] for the sampled rows. For parity tests and tools; eager unless
+        `graphs`, where a decode batch that fits replays its graph (every row samples)."""
         if not self.is_last_stage or self.split_lm_head:
             raise ValueError(f"{self.log_prefix} is not the last stage of an unsplit lm_head")
-        step = self._forward(chunks, hidden_states, residual, graphs=False)
+        step = self._forward(chunks, hidden_states, residual, graphs=graphs)
+        if step.logits is not None:  # a graph's (every row is a sampled decode): a copy, as
+            return step.logits.to(torch.float32, copy=True)  # the next replay overwrites it
         rows = None if all_rows else step.inputs.sample_rows
         with torch.inference_mode():
             return self.model.compute_logits(step.h, step.residual, rows).float()

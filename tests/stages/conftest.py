@@ -164,9 +164,12 @@ class Chain:
             seam = out
         return seam
 
-    def logits(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """[T, V] logits of every row of the batch."""
-        return self.stages[-1].forward_logits(chunks, **self._through(chunks), all_rows=True)
+    def logits(self, chunks: list[SeqChunk], graphs: bool = False) -> torch.Tensor:
+        """[T, V] logits of every row of the batch; `graphs`: the last stage too replays a
+        decode graph where the batch fits one (earlier stages always do, where they have
+        graphs)."""
+        seam = self._through(chunks)
+        return self.stages[-1].forward_logits(chunks, **seam, all_rows=True, graphs=graphs)
 
     def sample(
         self,
@@ -218,6 +221,25 @@ def drive_teacher_forced(
             row += chunk.num_tokens
             done[i] += chunk.num_tokens
     return [torch.cat(r) for r in rows]
+
+
+def decode_logits(
+    chain: Chain, seqs: list[list[int]], prompt_lens: list[int], graphs: bool
+) -> list[dict[int, torch.Tensor]]:
+    """Teacher-forced: each prompt prefilled in one batch, then one batch per step of every
+    sequence not yet at its end (so the batch shrinks). Returns, per sequence, {position: its
+    [V] logits} for the decoded positions."""
+    tables = [chain.blocks.grow([], len(seq)) for seq in seqs]
+    chain.logits([SeqChunk(s[:p], 0, t, True) for s, p, t in zip(seqs, prompt_lens, tables)])
+    rows: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
+    for step in range(max(len(s) - p for s, p in zip(seqs, prompt_lens))):
+        live = [i for i, (s, p) in enumerate(zip(seqs, prompt_lens)) if p + step < len(s)]
+        positions = [prompt_lens[i] + step for i in live]
+        chunks = [SeqChunk([seqs[i][pos]], pos, tables[i], True) for i, pos in zip(live, positions)]
+        logits = chain.logits(chunks, graphs=graphs)  # [n, V]
+        for row, (i, pos) in enumerate(zip(live, positions)):
+            rows[i][pos] = logits[row].cpu()
+    return rows
 
 
 def greedy_generate(

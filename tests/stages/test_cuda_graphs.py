@@ -14,7 +14,7 @@ import torch
 from stages import native
 from stages.batch import BLOCK_SIZE, SeqChunk
 from stages.cuda_graphs import EagerRecorder, StaticDecodeInputs, capture_sizes, size_for
-from tests.stages.conftest import Chain
+from tests.stages.conftest import Chain, decode_logits, hf_logits
 from tests.stages.test_parity import random_seqs
 
 needs_kernels = pytest.mark.skipif(
@@ -152,3 +152,19 @@ def test_decode_steps_through_the_static_buffers_equal_eager_steps(
     for stage in graphs.stages:
         assert stage.graphs is not None and stage.graphs.sizes == [1, 2, 4]
         assert stage.graphs.replays > 0  # 3 rows padded to 4, 2 and 1 as they are
+
+
+@needs_kernels
+def test_graph_decode_logits_are_transformers_logits(tiny_dirs: dict[str, Path]) -> None:
+    """The last stage's logits out of its graph (`forward_logits(graphs=True)`), teacher-forced
+    as the batch shrinks 7 -> 1, against transformers; each a copy that later replays leave."""
+    folder = tiny_dirs["gqa"]
+    prompt_lens = [5, 23, 9, 40, 17, 12, 30]
+    seqs = random_seqs([p + n for p, n in zip(prompt_lens, [6, 20, 3, 12, 9, 1, 16])], seed=11)
+    chain = Chain(folder, [2, 2], cuda_graph_max_bs=4, graph_recorder=EagerRecorder())
+    got = decode_logits(chain, seqs, prompt_lens, graphs=True)
+    assert all(stage.graphs is not None and stage.graphs.replays > 0 for stage in chain.stages)
+    for seq, by_pos in zip(seqs, got):
+        expected = hf_logits(folder, seq)
+        for pos, logits in by_pos.items():
+            assert (logits - expected[pos]).abs().max().item() < 1e-5, pos
