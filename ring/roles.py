@@ -41,6 +41,7 @@ from ring.config import RingConfig
 from ring.control import RingControl
 from ring.links import Links
 from ring.scheduler import Batch, DivergenceError, Scheduler
+from stages.batch import SampleResult
 from stages.contract import LogitsShare, Sample, Seam, Stage, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -257,9 +258,7 @@ class ShareSamplerTail(SeamTail):
             **sampling_args(batch),
         )
         self.stats.busy_s += time.monotonic() - started  # compute, like a forward's
-        output = Output(
-            batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs, self.cfg.epoch
-        )
+        output = output_of(batch, result, self.cfg.epoch)
         self.links.next.queue(output)
         return output
 
@@ -291,6 +290,11 @@ class ShareTail:
 
     def prefetch_output(self, until: float) -> bool:
         return self.outputs.prefetch_output(until)
+
+
+def output_of(batch: Batch, result: SampleResult, epoch: int) -> Output:
+    """The `output` message of a step's sampled tokens, wherever they were sampled."""
+    return Output(batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs, epoch)
 
 
 def sampling_args(batch: Batch) -> dict[str, Any]:
@@ -336,15 +340,7 @@ class SamplerTail:
             if batch.step > through and not sample.is_ready():
                 break
             self.pending.popleft()
-            result = sample.wait()
-            output = Output(
-                batch.slot,
-                batch.step,
-                batch.digest,
-                result.token_ids,
-                result.logprobs,
-                self.cfg.epoch,
-            )
+            output = output_of(batch, sample.wait(), self.cfg.epoch)
             self.own_outputs[batch.step] = output
             if self.cfg.pp_size > 1:
                 self.links.next.queue(output)

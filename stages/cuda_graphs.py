@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ import torch
 
 from stages import triton_attention
 from stages.batch import BLOCK_SIZE, SeqChunk
-from stages.inputs import ForwardInputs, PagedAttn
+from stages.inputs import ForwardInputs, PagedAttn, staged
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,6 @@ class StaticDecodeInputs:
         self.max_batch, self.max_blocks, self.pad_block = max_batch, max_blocks, pad_block
         self.num_kv_heads = num_kv_heads  # for the attention's split of contexts
         self.device = device
-        self.pinned = device.type == "cuda"  # host staging in pinned memory: async copies
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B]
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B]
         self.slot_mapping = torch.full(
@@ -175,23 +175,23 @@ class StaticDecodeInputs:
             self._copy(self.residual[:n], residual)
 
     def _copy(self, static: torch.Tensor, host: torch.Tensor) -> None:
-        """Into a static buffer without holding the host up: a CUDA copy from pageable memory
-        would wait for the device, so it goes through pinned memory, asynchronously."""
-        if self.pinned and host.device.type == "cpu":
-            host = host.pin_memory()
-        static.copy_(host, non_blocking=self.pinned)
+        """Into a static buffer without holding the host up (inputs.staged)."""
+        static.copy_(staged(host, self.device), non_blocking=True)
 
 
-class GraphRecorder:
+class GraphRecorder(ABC):
     """Records `step()` once for a batch size and returns (replay, the outputs it fills)."""
 
-    name = "eager"
+    name: str
 
+    @abstractmethod
     def record(self, step: Callable[[], StepOutputs]) -> tuple[Callable[[], None], StepOutputs]:
-        raise NotImplementedError
+        """Capture `step` (it may run it to warm up); returns its replay and static outputs."""
 
     def reset(self) -> None:
-        """Forget earlier captures (the KV cache they read is being replaced)."""
+        """Forget earlier captures (the KV cache they read is being replaced). Only a recorder
+        that keeps state across captures has anything to forget."""
+        return None
 
 
 class EagerRecorder(GraphRecorder):

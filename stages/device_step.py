@@ -22,18 +22,18 @@ from stages.contract import StageOutput, StepHandle
 
 # First guess of a step's device time, before one has been measured.
 FIRST_ESTIMATE_S = 0.005
+CLOCK_WEIGHT = 0.2  # of the newest measurement in the moving average
 
 
 class StepClock:
     """How long the device took for recent steps (a moving average), so the loop knows when a
     queued step should be done (`StepHandle.ready_at`)."""
 
-    def __init__(self, weight: float = 0.2) -> None:
+    def __init__(self) -> None:
         self.estimate_s = FIRST_ESTIMATE_S
-        self.weight = weight
 
     def record(self, seconds: float) -> None:
-        self.estimate_s += self.weight * (seconds - self.estimate_s)
+        self.estimate_s += CLOCK_WEIGHT * (seconds - self.estimate_s)
 
 
 class HostEvent:

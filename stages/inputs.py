@@ -132,13 +132,20 @@ def build_inputs(
     )
 
 
-def on_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To a GPU through pinned memory, asynchronously: a copy from
-    pageable memory would make the host wait for every step queued before it, and the ring
-    prepares the next step while the device runs this one (stages/device_step.py)."""
+def staged(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """`host` ready to be copied to `device` without holding the host up: a copy to a GPU
+    from pageable memory would wait for every step queued before it (and the ring prepares the
+    next step while the device runs this one, stages/device_step.py), so it goes through
+    pinned memory; for any other copy, `host` as it is."""
     if host.device.type != "cpu" or torch.device(device).type != "cuda":
-        return host  # already there, or staying on the host
-    return host.pin_memory().to(device, non_blocking=True)
+        return host
+    return host.pin_memory()
+
+
+def on_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied asynchronously (`staged`); on a CPU, `host` itself."""
+    source = staged(host, device)
+    return host if source is host else source.to(device, non_blocking=True)
 
 
 def _paged_attn(

@@ -83,9 +83,14 @@ def splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     them. One on a CPU (the interpreter)."""
     if device.type != "cuda":
         return 1
-    programs = num_seqs * num_kv_heads
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-target // programs)))
+    target = 2 * _multiprocessors(device)
+    return max(1, min(MAX_SPLITS, -(-target // (num_seqs * num_kv_heads))))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Asked once: graph steps cut their inputs every replay (stages/cuda_graphs.py)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode(
