@@ -131,12 +131,14 @@ class StageHello(Control):
 
 @dataclass(frozen=True)
 class RingReady(Control):
-    """The agreed KV capacity, round the ring from stage 0 and then to the frontend."""
+    """The agreed KV capacity, round the ring from stage 0 (twice: first to have every stage
+    allocate it, then, `allocated`, once each has), and then to the frontend."""
 
     op: ClassVar[str] = "ready"
     rank: int
     num_kv_blocks: int
     epoch: int = 0
+    allocated: bool = False
 
 
 @dataclass(frozen=True)

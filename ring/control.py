@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +55,10 @@ class ModelInfo:
     config_hash: str = ""
 
 
+# At most this long for the stages before this one to allocate their KV cache at start-up (or
+# the ring timeout, if longer).
+ALLOCATE_TIMEOUT_S = 300.0
+
 # What every stage must agree on with stage 0 at start-up (besides the KV capacity).
 AGREED_FIELDS = ("config_hash", "pp_loop_size", "context_length", "split_lm_head")
 
@@ -69,17 +74,28 @@ class RingControl:
 
     # -- start-up ------------------------------------------------------------------------------
 
-    def handshake(self, mine: StageHello) -> int:
+    def handshake(self, mine: StageHello, allocate: Callable[[int], None]) -> int:
         """Agree one KV capacity (the minimum over stages) and check every stage serves the same
-        model and ring shape; returns the agreed block count (SGLang PR #10214 crashed on
-        stages with different pool sizes)."""
+        model and ring shape (SGLang PR #10214 crashed on stages with different pool sizes);
+        have every stage `allocate` it, all at once; return the agreed block count once every
+        stage has allocated.
+
+        Two rounds of `RingReady`: the first carries the agreed count and each stage forwards
+        it before allocating; the second (`allocated`) each stage forwards only after its own
+        allocation, so stage 0 sees it back, and tells the frontend the ring is ready, only when
+        the whole ring can serve. Without it a first request waited for a later stage still
+        touching its cache's pages (1-6 s for 1 GiB on these VMs) or capturing graphs."""
         if self.cfg.pp_size == 1:
+            allocate(mine.num_kv_blocks)
             return mine.num_kv_blocks
         if self.cfg.is_first_stage:
             self.links.next.send(mine)
             agreed = self.wait(StageHello).num_kv_blocks  # the minimum, once round
             self.links.next.send(RingReady(0, agreed, epoch=self.cfg.epoch))
-            self.wait(RingReady)
+            allocate(agreed)
+            self.wait(RingReady)  # the agreed count came round: every stage is allocating
+            self.links.next.send(RingReady(0, agreed, epoch=self.cfg.epoch, allocated=True))
+            self.wait(RingReady, timeout_s=self._allocate_timeout_s)
             return agreed
         hello = self.wait(StageHello)
         for key in AGREED_FIELDS:
@@ -92,13 +108,23 @@ class RingControl:
         self.links.next.send(dataclasses.replace(hello, num_kv_blocks=blocks))
         ready = self.wait(RingReady)
         self.links.next.send(ready)
+        allocate(ready.num_kv_blocks)
+        self.links.next.send(self.wait(RingReady, timeout_s=self._allocate_timeout_s))
         return ready.num_kv_blocks
+
+    @property
+    def _allocate_timeout_s(self) -> float:
+        """How long a stage waits for the stages before it to allocate: capturing a large
+        model's decode graphs takes longer than a ring timeout is meant to be."""
+        return max(self.cfg.ring_timeout_s, ALLOCATE_TIMEOUT_S)
 
     # -- control messages ------------------------------------------------------------------------
 
-    def wait(self, kind: type[ControlT]) -> ControlT:
-        """The next control message of this type (an error report raises RingDown instead)."""
-        deadline = time.monotonic() + self.cfg.ring_timeout_s
+    def wait(self, kind: type[ControlT], timeout_s: float | None = None) -> ControlT:
+        """The next control message of this type (an error report raises RingDown instead),
+        within `timeout_s` (default: the ring timeout)."""
+        timeout_s = self.cfg.ring_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 msg = self.receiver.recv("ctrl", timeout_s=remaining)
@@ -109,8 +135,7 @@ class RingControl:
             if isinstance(msg, RingError):
                 raise RingDown(msg.message, msg.rank)
         raise RingDown(
-            f"{self.prefix} no ctrl {kind.op} within {self.cfg.ring_timeout_s:.0f} s: "
-            "is every stage running?"
+            f"{self.prefix} no ctrl {kind.op} within {timeout_s:.0f} s: is every stage running?"
         )
 
     def recv(self, kind: str) -> Any | None:

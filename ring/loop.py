@@ -86,9 +86,9 @@ class StageLoop:
                 pp_loop_size=self.cfg.pp_loop_size,
                 context_length=self.model.context_length,
                 split_lm_head=self.cfg.split_lm_head,
-            )
+            ),
+            allocate=self.stage.allocate_kv,  # on a GPU this also captures the decode graphs
         )
-        self.stage.allocate_kv(agreed)  # on a GPU this also captures the decode graphs
         self.control.last_heard = time.monotonic()  # the capture is not the ring's silence
         self.scheduler = Scheduler(
             self.cfg, agreed, self.model.context_length, self.model.eos_token_ids

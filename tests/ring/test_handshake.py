@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from protocol.messages import RingReady
 from ring.config import RingConfig
 from ring.loop import ModelInfo
 from tests.ring.conftest import sim_ring
@@ -25,3 +26,39 @@ def test_a_stage_that_loaded_another_model_stops_the_whole_ring_at_start_up():
     assert error is not None and error.rank == 2
     assert "[pp2] config_hash differs from stage 0's" in error.message
     assert "every stage must serve the same model" in error.message
+
+
+@pytest.mark.timeout(60)
+def test_the_ring_is_ready_only_once_every_stage_has_allocated_and_they_allocate_at_once():
+    """Stage 0 tells the frontend the ring is ready after the last stage's KV cache exists, so a
+    first request never waits for a stage still allocating; the stages allocate in parallel."""
+    allocating_s = {0: 0.05, 1: 0.6, 2: 0.6}  # stage 0 is done long before the others
+    spans: dict[int, tuple[float, float]] = {}
+    ring = sim_ring(RingConfig(pp_size=3, ring_timeout_s=10))
+    make_sim = ring.make_stage
+
+    def make(cfg: RingConfig):
+        stage = make_sim(cfg)
+        allocate = stage.allocate_kv
+
+        def slow_allocate(num_blocks: int) -> None:
+            started = time.monotonic()
+            time.sleep(allocating_s[cfg.rank])  # touching a large cache's pages
+            allocate(num_blocks)
+            spans[cfg.rank] = (started, time.monotonic())
+
+        stage.allocate_kv = slow_allocate
+        return stage
+
+    ring.make_stage = make
+    with ring:
+        deadline = time.monotonic() + 20
+        while not any(isinstance(c, RingReady) for c in ring.driver.ctrl):
+            assert time.monotonic() < deadline, "the ring never said it was ready"
+            ring.driver.poll(0.01)
+        ready_at = time.monotonic()
+        assert ring.stop() == {0: 0, 1: 0, 2: 0}
+    assert sorted(spans) == [0, 1, 2]
+    assert ready_at >= max(end for _, end in spans.values())
+    # At once, not in turn: stage 2 starts before stage 1 is done.
+    assert spans[2][0] < spans[1][1]
