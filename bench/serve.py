@@ -89,7 +89,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--pp-async-batch-depth", type=int, default=None, help="the rings' (ppring local's default)"
     )
     parser.add_argument(
-        "--pp-max-micro-batch-size", type=int, default=None, help="the rings' (default: C // PP)"
+        "--pp-max-micro-batch-size",
+        type=int,
+        default=None,
+        help="the rings' (default: C over the slots, rounded up)",
     )
     parser.add_argument(
         "--chunked-prefill-size", type=int, default=None, help="the rings' (ppring local's default)"

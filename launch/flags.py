@@ -34,14 +34,33 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
 
+# A CPU ring of two or more stages: one async slot, 128-token prefill chunks (pipeline_defaults).
+CPU_PIPELINE_DEFAULTS = (1, 128)
+
 # Scheduling flags, named as in SGLang so a user can move over without a dictionary; then the
 # stage's own: which model, how it computes, and the simulated stage's timings.
 FLAGS: tuple[Flag, ...] = (
     Flag("--pp-size", int, 1, field="pp_size"),
-    Flag("--pp-async-batch-depth", int, 0, agreed=True, field="pp_async_batch_depth"),
+    Flag(
+        "--pp-async-batch-depth",
+        int,
+        None,
+        agreed=True,
+        field="pp_async_batch_depth",
+        help=f"micro-batch slots beyond one per stage (default: {CPU_PIPELINE_DEFAULTS[0]} for "
+        "CPU stages at PP >= 2, else 0)",
+    ),
     Flag("--max-running-requests", int, 64, agreed=True, field="max_running_requests"),
     Flag("--pp-max-micro-batch-size", int, None, agreed=True, field="pp_max_micro_batch_size"),
-    Flag("--chunked-prefill-size", int, 512, agreed=True, field="chunked_prefill_size"),
+    Flag(
+        "--chunked-prefill-size",
+        int,
+        None,
+        agreed=True,
+        field="chunked_prefill_size",
+        help=f"prefill tokens per micro-batch (default: {CPU_PIPELINE_DEFAULTS[1]} for CPU "
+        f"stages at PP >= 2, else {RingConfig.chunked_prefill_size})",
+    ),
     Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
     Flag("--ring-timeout", float, 30.0, field="ring_timeout_s"),
     Flag("--stage-impl", str, "real", choices=("real", "sim"), agreed=True),
@@ -122,7 +141,26 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def ring_config(args: argparse.Namespace, rank: int) -> RingConfig:
     fields = {flag.field: getattr(args, flag.dest) for flag in FLAGS if flag.field}
+    pipeline = dict(zip(("pp_async_batch_depth", "chunked_prefill_size"), pipeline_defaults(args)))
+    fields.update({k: v for k, v in pipeline.items() if fields[k] is None})
     return RingConfig(rank=rank, split_lm_head=splits_lm_head(args), **fields)
+
+
+def pipeline_defaults(args: argparse.Namespace) -> tuple[int, int]:
+    """(async depth, prefill chunk) when the flags leave them out: SGLang's 0 and our 512,
+    except for real CPU stages at PP >= 2 (CPU_PIPELINE_DEFAULTS).
+
+    Why: at depth 0 a slot's tokens must come back round the ring before it runs again, so a
+    CPU ring, whose stages have no spare cores to hide anything on, waits for every hop and
+    every stage's bookkeeping; and a wave of prompts first fills the pipeline with a whole
+    prefill chunk while the later stages idle (512 tokens: about 0.9 s on a one-thread
+    stage of the default model). One slot more lets stage 0 run ahead, and 128-token chunks
+    fill the pipeline in a quarter of the time. Alternated runs (32 in flight, equal work,
+    PP=2 over PP=1, 4 rounds): depth 0 with 512 0.925x, depth 1 with 512 0.909x, depth 1 with
+    128 0.977x (every round its own best)."""
+    if args.pp_size >= 2 and args.device == "cpu" and args.stage_impl == "real":
+        return CPU_PIPELINE_DEFAULTS
+    return 0, RingConfig.chunked_prefill_size
 
 
 def splits_lm_head(args: argparse.Namespace) -> bool:

@@ -16,7 +16,7 @@ class RingConfig:
     rank: int = 0
     pp_async_batch_depth: int = 0
     max_running_requests: int = 64
-    pp_max_micro_batch_size: int | None = None  # None: max(max_running_requests // pp_size, 1)
+    pp_max_micro_batch_size: int | None = None  # None: max_running_requests / slots, rounded up
     chunked_prefill_size: int = 512  # prefill tokens per micro-batch, over all requests in it
     # The lm_head split by vocabulary between stage 0 and the last stage (--split-lm-head): the
     # last sends its share of the logits to stage 0 (`share`), which samples and sends the
@@ -63,10 +63,12 @@ class RingConfig:
 
     @property
     def micro_batch_cap(self) -> int:
-        """Requests one micro-batch may hold (SGLang's default: the total split over stages)."""
+        """Requests one micro-batch may hold: the running cap split over the slots, rounded up
+        so that all of it fits. SGLang splits over the stages, which with an async depth leaves
+        slots empty (32 requests, 3 slots: 16, 16 and none)."""
         if self.pp_max_micro_batch_size is not None:
             return self.pp_max_micro_batch_size
-        return max(self.max_running_requests // self.pp_size, 1)
+        return -(-self.max_running_requests // self.pp_loop_size)
 
     @property
     def is_first_stage(self) -> bool:

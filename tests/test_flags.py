@@ -74,6 +74,21 @@ def test_split_lm_head_auto_splits_real_cpu_rings_of_two_stages_or_more():
     assert split("--pp-size", "3", "--stage-impl", "sim", "--split-lm-head", "on")
 
 
+def test_cpu_rings_of_two_stages_or_more_default_to_one_async_slot_and_short_chunks():
+    def shape(*argv: str) -> tuple[int, int, int]:
+        cfg = ring_config(local.parse_args(list(argv)), rank=0)
+        return cfg.pp_async_batch_depth, cfg.chunked_prefill_size, cfg.micro_batch_cap
+
+    assert shape() == (0, 512, 64)  # one stage: nothing to pipeline
+    # 64 running requests over 3 slots, rounded up: 22, 22 and 20 fit (not 32, 32 and none).
+    assert shape("--pp-size", "2") == (1, 128, 22)
+    assert shape("--pp-size", "2", "--max-running-requests", "32") == (1, 128, 11)
+    assert shape("--pp-size", "2", "--device", "cuda") == (0, 512, 32)
+    assert shape("--pp-size", "3", "--stage-impl", "sim") == (0, 512, 22)
+    assert shape("--pp-size", "2", "--pp-async-batch-depth", "0") == (0, 128, 32)
+    assert shape("--pp-size", "2", "--chunked-prefill-size", "1024") == (1, 1024, 22)
+
+
 def test_a_flag_left_at_none_is_not_written():
     launcher = local.parse_args([])
     argv = local.stage_argv(launcher, 0, Path("model"))
