@@ -7,7 +7,8 @@ Two seeded workloads (bench/workload.py): `mixed` (prompts of 16-512 tokens, 16-
 tokens each) and `equal` (prompts of 8-120 tokens, every request 64 new tokens: equal work,
 where a static batch wastes nothing on finished requests, the comparison that flatters ppring
 least). For each layout it starts a local ring itself (`ppring local`, stages sharing this
-machine's cores: PP=1 gets every thread, PP=2 half each), then sends the same workload as
+machine's cores: PP=1 gets every thread, PP=2 half each), warms it up untimed (its first
+requests, a few new tokens each, at the highest concurrency), then sends the same workload as
 - a closed loop of `--concurrency` requests in flight (saturation: as soon as one finishes the
   next is sent); a list such as `--concurrency 1,16,64` runs one closed loop per level, each
   on the workload's first max(2C, a few) requests, and
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -52,6 +54,7 @@ QUICK = (32, "16,256", "8,48", 15.0, 4)
 # that flatters ppring least (HF generate still pads prompts to the batch's longest).
 EQUAL = ("8,120", "64,64")
 READY_TIMEOUT_S = 600.0
+WARMUP_TOKENS = 8  # new tokens per request of a server's untimed warm-up pass
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -386,6 +389,8 @@ def _sweep(
 ) -> None:
     """Closed loops at each concurrency, then (unless --no-sweep) Poisson arrivals at each
     rate, for every target of one server, alternated point by point."""
+    for target in targets:
+        _warm_up(target, workload, max(args.concurrencies), args.seed)
     for concurrency in args.concurrencies:  # closed loops first: they set the rates
         sub = _closed_subset(workload, concurrency, args.min_point_requests)
         for target in targets:
@@ -417,6 +422,21 @@ def hf_baselines(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     runs = [(d, False) for d in args.hf_dtypes]
     runs += [(d, True) for d in args.hf_dtypes] if args.hf_compile else []
     return [(hf_layout(d, compiled), d, compiled) for d, compiled in runs]
+
+
+def _warm_up(target: Target, workload: Workload, concurrency: int, seed: int) -> None:
+    """Untimed, before a server's first point: its first `concurrency` requests, cut to
+    WARMUP_TOKENS new tokens each, all at once, so the first timed point does not pay for a
+    fresh server's first prefills and batch shapes (vLLM's and SGLang's bench_serving send a
+    warm-up request first for the same reason; a pass at full width also touches the pages a
+    full batch needs, which cost 1-6 s per GiB on these VMs)."""
+    requests = [
+        dataclasses.replace(r, max_new_tokens=min(r.max_new_tokens, WARMUP_TOKENS))
+        for r in workload.requests[:concurrency]
+    ]
+    warm = Workload(workload.seed, requests)
+    with _progress(warm, f"{target.layout} warm-up") as bar:
+        asyncio.run(run_point(target.backend(), warm, target.layout, None, concurrency, seed, bar))
 
 
 def _measure(

@@ -167,3 +167,33 @@ def test_ring_bench_writes_its_json_and_png(tmp_path):
     assert [r["depth"] for r in result["async_depth"]] == [0, 1, 2, 3]
     assert [r["seed_idle_fraction"] for r in result["idle"]] == [0.75, 0.5, 0.25, 0.0]
     assert (tmp_path / "bench_ring.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_serve_warms_each_server_up_untimed_at_full_width():
+    """Before a server's first timed point: its first C requests at once, cut to a few tokens."""
+    from bench import serve as serve_bench
+    from bench.workload import Request, Workload
+
+    sent: list[Request] = []
+
+    class Recorder:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return None
+
+        async def request(self, request, progress):
+            sent.append(request)
+            return {"output_tokens": 0, "ttft_s": 0.0, "tpot_s": None, "e2e_s": 0.0}
+
+    class FakeTarget:
+        layout = "fake"
+
+        def backend(self):
+            return Recorder()
+
+    workload = Workload(0, [Request([1, 2, 3], 64 if i % 2 else 4) for i in range(10)])
+    serve_bench._warm_up(FakeTarget(), workload, concurrency=6, seed=0)
+    assert [len(r.input_ids) for r in sent] == [3] * 6
+    assert sorted(r.max_new_tokens for r in sent) == [4, 4, 4] + [serve_bench.WARMUP_TOKENS] * 3
