@@ -327,8 +327,9 @@ class Scheduler:
     def _admit(self, slot: int, prefill_budget: int) -> list[BatchEntry]:
         """Admit waiting requests (FIFO, no skipping) into `slot` while caps and KV allow."""
         entries = []
+        cap = min(self.cfg.micro_batch_cap, self._balanced_share())
         while self.waiting and prefill_budget > 0:
-            if len(self.slots[slot]) >= self.cfg.micro_batch_cap:
+            if len(self.slots[slot]) >= cap:
                 break
             if self.num_running >= self.cfg.max_running_requests:
                 break
@@ -345,6 +346,15 @@ class Scheduler:
             entries.append(self._commit(req, num_tokens))
             prefill_budget -= num_tokens
         return entries
+
+    def _balanced_share(self) -> int:
+        """Requests per slot if every request present (running or waiting) were spread evenly,
+        rounded up. Admission holds a slot to it, so micro-batches stay level when fewer
+        requests are present than the caps allow: a pipeline runs at the pace of its heaviest
+        micro-batch. Measured: 32 requests under a running cap of 64 (3 slots, cap 22)
+        settled at 12, 11 and 9, and PP=2 served 0.73-0.80x PP=1 in that run."""
+        present = self.num_running + len(self.waiting)
+        return max(-(-present // self.cfg.pp_loop_size), 1)
 
     def _commit(self, req: Req, num_tokens: int) -> BatchEntry:
         """Allocate the blocks `num_tokens` more tokens need and advance the request."""

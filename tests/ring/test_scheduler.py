@@ -132,3 +132,14 @@ def test_one_slot_and_short_prompts_are_not_spread():
     two = Scheduler(RingConfig(pp_size=2), num_kv_blocks=1000, context_length=1000)
     two.apply_reqs(Reqs(0, 0, new=[new("q", 40)]))  # 20 per slot is under MIN_PREFILL_CHUNK
     assert [e.chunk.num_tokens for e in two.decide(0, 0)[0].entries] == [40]
+
+
+def test_admission_keeps_slots_level_when_fewer_requests_than_the_caps_allow():
+    """32 requests under a running cap of 64 in 3 slots (cap 22 each): 11, 11 and 10, not
+    whatever order the prefill budget happened to admit them in."""
+    cfg = RingConfig(pp_size=2, pp_async_batch_depth=1, max_running_requests=64)
+    assert cfg.micro_batch_cap == 22
+    sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new(f"r{i}", 3) for i in range(32)]))
+    sizes = [len(sched.decide(slot, slot)[0].entries) for slot in range(3)]
+    assert sizes == [11, 11, 10]
