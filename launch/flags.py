@@ -35,7 +35,7 @@ class Flag:
 
 
 # A CPU ring of two or more stages: one async slot, 128-token prefill chunks (pipeline_defaults).
-CPU_PIPELINE_DEFAULTS = (1, 128)
+CPU_PIPELINE_DEFAULTS = {"pp_async_batch_depth": 1, "chunked_prefill_size": 128}
 
 # Scheduling flags, named as in SGLang so a user can move over without a dictionary; then the
 # stage's own: which model, how it computes, and the simulated stage's timings.
@@ -47,7 +47,8 @@ FLAGS: tuple[Flag, ...] = (
         None,
         agreed=True,
         field="pp_async_batch_depth",
-        help=f"micro-batch slots beyond one per stage (default: {CPU_PIPELINE_DEFAULTS[0]} for "
+        help="micro-batch slots beyond one per stage (default: "
+        f"{CPU_PIPELINE_DEFAULTS['pp_async_batch_depth']} for "
         "CPU stages at PP >= 2, else 0)",
     ),
     Flag("--max-running-requests", int, 64, agreed=True, field="max_running_requests"),
@@ -58,7 +59,8 @@ FLAGS: tuple[Flag, ...] = (
         None,
         agreed=True,
         field="chunked_prefill_size",
-        help=f"prefill tokens per micro-batch (default: {CPU_PIPELINE_DEFAULTS[1]} for CPU "
+        help="prefill tokens per micro-batch (default: "
+        f"{CPU_PIPELINE_DEFAULTS['chunked_prefill_size']} for CPU "
         f"stages at PP >= 2, else {RingConfig.chunked_prefill_size})",
     ),
     Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
@@ -141,13 +143,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def ring_config(args: argparse.Namespace, rank: int) -> RingConfig:
     fields = {flag.field: getattr(args, flag.dest) for flag in FLAGS if flag.field}
-    pipeline = dict(zip(("pp_async_batch_depth", "chunked_prefill_size"), pipeline_defaults(args)))
-    fields.update({k: v for k, v in pipeline.items() if fields[k] is None})
+    for field_name, default in pipeline_defaults(args).items():
+        if fields[field_name] is None:  # left out: this ring's default
+            fields[field_name] = default
     return RingConfig(rank=rank, split_lm_head=splits_lm_head(args), **fields)
 
 
-def pipeline_defaults(args: argparse.Namespace) -> tuple[int, int]:
-    """(async depth, prefill chunk) when the flags leave them out: SGLang's 0 and our 512,
+def pipeline_defaults(args: argparse.Namespace) -> dict[str, int]:
+    """Async depth and prefill chunk when the flags leave them out: SGLang's 0 and our 512,
     except for real CPU stages at PP >= 2 (CPU_PIPELINE_DEFAULTS).
 
     Why: at depth 0 a slot's tokens must come back round the ring before it runs again, so a
@@ -160,7 +163,7 @@ def pipeline_defaults(args: argparse.Namespace) -> tuple[int, int]:
     128 0.977x (every round its own best)."""
     if args.pp_size >= 2 and args.device == "cpu" and args.stage_impl == "real":
         return CPU_PIPELINE_DEFAULTS
-    return 0, RingConfig.chunked_prefill_size
+    return {"pp_async_batch_depth": 0, "chunked_prefill_size": RingConfig.chunked_prefill_size}
 
 
 def splits_lm_head(args: argparse.Namespace) -> bool:

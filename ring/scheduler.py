@@ -327,9 +327,7 @@ class Scheduler:
     def _admit(self, slot: int, prefill_budget: int) -> list[BatchEntry]:
         """Admit waiting requests (FIFO, no skipping) into `slot` while caps and KV allow."""
         entries = []
-        cap = self.cfg.micro_batch_cap
-        if self.cfg.pp_max_micro_batch_size is None:  # a size the user set is filled as set
-            cap = min(cap, self._balanced_share())
+        cap = self._slot_cap()
         while self.waiting and prefill_budget > 0:
             if len(self.slots[slot]) >= cap:
                 break
@@ -349,16 +347,18 @@ class Scheduler:
             prefill_budget -= num_tokens
         return entries
 
-    def _balanced_share(self) -> int:
-        """Requests per slot if every request present (running or waiting) were spread evenly,
-        rounded up. Unless --pp-max-micro-batch-size says otherwise (the bench of the seed's
-        load condition packs M full micro-batches on purpose), admission holds a slot to it,
-        so micro-batches stay level when fewer
-        requests are present than the caps allow: a pipeline runs at the pace of its heaviest
-        micro-batch. Measured: 32 requests under a running cap of 64 (3 slots, cap 22)
-        settled at 12, 11 and 9, and PP=2 served 0.73-0.80x PP=1 in that run."""
+    def _slot_cap(self) -> int:
+        """Requests a slot may hold for now. A --pp-max-micro-batch-size the user set is filled
+        as set (the bench of the seed's load condition packs M full micro-batches on purpose).
+        The default cap comes from --max-running-requests, not from the load, so admission
+        also holds a slot to its share of the requests present (running or waiting), rounded
+        up: micro-batches stay level, and a pipeline runs at the pace of its heaviest one.
+        Measured: 32 requests under a running cap of 64 (3 slots, cap 22) settled at 12, 11
+        and 9, and PP=2 served 0.73-0.80x PP=1 in that run."""
+        if self.cfg.pp_max_micro_batch_size is not None:
+            return self.cfg.pp_max_micro_batch_size
         present = self.num_running + len(self.waiting)
-        return max(-(-present // self.cfg.pp_loop_size), 1)
+        return min(self.cfg.micro_batch_cap, max(-(-present // self.cfg.pp_loop_size), 1))
 
     def _commit(self, req: Req, num_tokens: int) -> BatchEntry:
         """Allocate the blocks `num_tokens` more tokens need and advance the request."""
