@@ -25,8 +25,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers, a test file each at a time (a module shares one ring among its tests); then the
+# tests that assert throughput ratios, alone, so a neighbour's load cannot move their figures.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not long and not serial"
+	$(BIN)/pytest -m "serial and not long" -p no:xdist
 
 # The long variants (marked `long`): e.g. a PP=3 ring of the default model losing a stage
 # twice, against transformers. make test runs a short form of each.

@@ -24,6 +24,12 @@ PROMPTS = [
     "Water boils at a temperature of",
 ]
 
+# Every ring a test starts gets this KV budget per stage unless the test names its own (argparse
+# keeps the last value given). The default 1 GiB holds 46k tokens at PP=2, far more than any test
+# sends, and touching its pages cost 2-7 s of each ring's start on this CI's VMs (0.25 GiB: under
+# 1 s); the suite starts a few dozen rings.
+TEST_KV_ARGS = ("--kv-memory-gib", "0.25")
+
 
 class LocalServer:
     """`ppring local ...` started by PID; stopped by PID (SIGTERM, then SIGKILL)."""
@@ -45,6 +51,7 @@ class LocalServer:
                 str(self.port),
                 "--http-port",
                 str(self.http_port),
+                *TEST_KV_ARGS,
                 *args,
             ],  # fmt: skip
             stdout=subprocess.PIPE,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launch.procs import ROOT, find_free_base_port
-from tests.e2e.conftest import PROMPTS
+from tests.e2e.conftest import PROMPTS, TEST_KV_ARGS
 from tests.tiny_llama import make_tiny_llama
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
@@ -23,7 +23,7 @@ def serve_argv(rank: int, nnodes: int, rdv: str, port: int, *extra: str) -> list
     return [
         sys.executable, "-m", "launch", "serve", "--node-rank", str(rank),
         "--nnodes", str(nnodes), "--dist-init-addr", rdv, "--port", str(port),
-        "--threads-per-stage", "1", "--http-port", "0", *extra,
+        "--threads-per-stage", "1", "--http-port", "0", *TEST_KV_ARGS, *extra,
     ]  # fmt: skip
 
 

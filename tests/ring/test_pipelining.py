@@ -15,6 +15,9 @@ from protocol.sampling import SamplingParams
 from ring.config import RingConfig
 from tests.ring.conftest import SimSpec, sim_ring
 
+# Throughput ratios: make test runs them after the parallel part, with nothing else running.
+pytestmark = pytest.mark.serial
+
 T0_S = 0.020
 MAX_NEW = 15
 
