@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import select
 import socket
 import subprocess
@@ -24,20 +25,35 @@ from ring.harness import RingDriver
 from ring.topology import RingAddresses
 
 ROOT = Path(__file__).resolve().parent.parent
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+EXPLICIT_PORTS_FROM = 20000  # above the registered services most hosts run
 
 
 def find_free_base_port(num_ports: int, host: str = "127.0.0.1", tries: int = 50) -> int:
     """A base port with `num_ports` consecutive free TCP ports after it (best effort: another
-    process may still take one before we bind it)."""
+    process may still bind one before we do).
+
+    Drawn at random below the kernel's ephemeral range: a port in that range can be handed to
+    any process's outgoing connection between this probe and our bind (with two test workers
+    connecting rings at once, a launcher then failed on a taken port); below it only an
+    explicit bind takes a port, and the probe sees those."""
+    low, high = EXPLICIT_PORTS_FROM, min(_ephemeral_low(), 65536) - num_ports
+    if high <= low:  # an unusual ephemeral range: anywhere, then
+        low, high = 1024, 65536 - num_ports
+    draw = random.SystemRandom()
     for _ in range(tries):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base + num_ports >= 65535:
-            continue
+        base = draw.randrange(low, high)
         if all(_port_is_free(host, base + i) for i in range(num_ports)):
             return base
     raise OSError(f"found no {num_ports} consecutive free ports on {host}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_is_free(host: str, port: int) -> bool:
