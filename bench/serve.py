@@ -21,6 +21,11 @@ of each concurrency, once per `--hf-dtypes` (bench/hf_baseline.py), and with `--
 once more per dtype with a static KV cache and `torch.compile` (layouts "... compiled"). It writes
 `bench_serve.json` and `bench_serve.png` (TPOT p50/p99 and output tokens/s, vs rate and, for
 several concurrencies, vs concurrency) into `--out`, and prints a table.
+
+`--repeats N` (closed loops only, `--no-sweep`) keeps every ring up and every baseline loaded at
+once and measures all of them N times in alternated rounds: on a shared host one run moved 30%,
+so a comparison is claimed from the median round of each point and the median of the per-round
+ratios (PP=2 / PP=1, each layout / the first baseline), all rounds kept in the JSON.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +141,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the rings' logs here")
     parser.add_argument("--no-baseline", action="store_true", help="skip HF generate")
     parser.add_argument("--no-sweep", action="store_true", help="closed loops only, no rates")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="closed loops only (with --no-sweep): every ring "
+        "and baseline up at once, each point measured this many times in alternated rounds; "
+        "the median round is reported, every round's tok/s kept in the JSON",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a small sweep: under 5 minutes")
     parser.add_argument("--out", type=Path, default=Path("."), help="where JSON and PNG go")
     args = parser.parse_args(argv)
@@ -181,6 +191,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--base-url benches an OpenAI server: --backend openai only")
     if args.no_sweep and args.rates:
         parser.error("--no-sweep and --rates contradict each other; pick one")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.repeats > 1 and (not args.no_sweep or args.base_url):
+        parser.error("--repeats alternates ppring's own rings' closed loops: add --no-sweep, "
+                     "and leave out --base-url")  # fmt: skip
     args.concurrency = args.concurrencies[-1]  # the ring's capacity; saturation is measured here
     return args
 
@@ -241,6 +256,11 @@ class Point:
     concurrency: int | None
     records: list[dict[str, float]]
     elapsed_s: float
+    rounds_tps: list[float] | None = None  # with --repeats: every round's tok/s, in order
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r["output_tokens"] for r in self.records) / self.elapsed_s
 
     def summary(self) -> dict[str, Any]:
         tokens = sum(r["output_tokens"] for r in self.records)
@@ -253,6 +273,8 @@ class Point:
             "elapsed_s": round(self.elapsed_s, 3),
             "output_tokens_per_s": round(tokens / self.elapsed_s, 2),
         }
+        if self.rounds_tps is not None:
+            out["output_tokens_per_s_rounds"] = [round(x, 2) for x in self.rounds_tps]
         for key in ("ttft_s", "tpot_s", "e2e_s"):
             values = sorted(r[key] for r in self.records if r[key] is not None)
             for pct in (50, 99):
@@ -336,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
 
     points: list[Point] = []
     baselines: list[Point] = []
+    if args.repeats > 1:
+        with _log_dir(args.log_dir) as logs:
+            _alternated(args, argv, model_dir, workload, logs, points, baselines, started)
+        write_results(args, argv, model_dir, workload, points, baselines, started)
+        return 0
     with _log_dir(args.log_dir) as logs:
         if args.base_url:  # someone else's server: no ring of ours
             target = Target(f"openai {args.base_url}", None, args.base_url, args.served_model)
@@ -357,16 +384,81 @@ def main(argv: list[str] | None = None) -> int:
         hf = HFGenerate(model_dir, args.threads, hf_dtype, args.device, compiled=compiled)
         for concurrency in args.concurrencies:
             sub = _closed_subset(workload, concurrency, args.min_point_requests)
-            with _progress(sub, f"{name} C={concurrency}") as bar:
-                run = hf.run(sub, concurrency, on_tokens=bar.update)
-            baseline = Point(name, None, concurrency, run["records"], run["elapsed_s"])
-            baselines.append(baseline)
-            print(f"  {name} (static batches of {concurrency}): "
-                  f"{baseline.summary()['output_tokens_per_s']:.1f} tok/s", flush=True)  # fmt: skip
+            baselines.append(_measure_hf(name, hf, sub, concurrency))
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
         del hf
     write_results(args, argv, model_dir, workload, points, baselines, started)
     return 0
+
+
+def _measure_hf(name: str, hf, workload: Workload, concurrency: int) -> Point:
+    """One closed-loop point of an HF generate baseline (static batches of `concurrency`)."""
+    with _progress(workload, f"{name} C={concurrency}") as bar:
+        run = hf.run(workload, concurrency, on_tokens=bar.update)
+    point = Point(name, None, concurrency, run["records"], run["elapsed_s"])
+    print(f"  {name} (static batches of {concurrency}): {point.tokens_per_s:.1f} tok/s",
+          flush=True)  # fmt: skip
+    return point
+
+
+def _alternated(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    model_dir: Path,
+    workload: Workload,
+    logs: Path,
+    points: list[Point],
+    baselines: list[Point],
+    started: float,
+) -> None:
+    """--repeats: every layout's ring up (and warmed up) and every baseline loaded at once, then
+    `repeats` rounds, each measuring every closed-loop point of every server in the same order,
+    so a slow minute of a shared host falls on one round of each, not on one layout. Each
+    point's median round (by tok/s) goes into `points` / `baselines`, with all rounds' tok/s."""
+    from bench.hf_baseline import HFGenerate
+
+    rounds: dict[tuple[str, int], list[Point]] = {}
+    with ExitStack() as rings:
+        targets: list[Target] = []
+        for pp_size in args.pp_sizes:
+            addr, http_url = rings.enter_context(local_ring(args, model_dir, pp_size, logs))
+            for b in args.backends:
+                layout = f"PP={pp_size}" + (" HTTP" if b == "openai" else "")
+                targets.append(Target(layout, addr, http_url if b == "openai" else None))
+        for target in targets:
+            _warm_up(target, workload, max(args.concurrencies), args.seed)
+        hfs = [
+            (name, HFGenerate(model_dir, args.threads, hf_dtype, args.device, compiled=compiled))
+            for name, hf_dtype, compiled in hf_baselines(args)
+        ]
+        for n in range(args.repeats):
+            print(f" round {n + 1} of {args.repeats}", flush=True)
+            for concurrency in args.concurrencies:
+                sub = _closed_subset(workload, concurrency, args.min_point_requests)
+                for target in targets:
+                    point = _measure(target, sub, None, concurrency, args.seed)
+                    rounds.setdefault((target.layout, concurrency), []).append(point)
+                for name, hf in hfs:
+                    point = _measure_hf(name, hf, sub, concurrency)
+                    rounds.setdefault((name, concurrency), []).append(point)
+            points[:], baselines[:] = _medians(rounds, {t.layout for t in targets})
+            write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
+
+
+def _medians(
+    rounds: dict[tuple[str, int], list[Point]], ring_layouts: set[str]
+) -> tuple[list[Point], list[Point]]:
+    """Each point's median round by tok/s (the lower middle of an even count), carrying every
+    round's tok/s; split into the rings' points and the baselines'."""
+    points, baselines = [], []
+    order = list(dict.fromkeys(layout for layout, _ in rounds))  # as the table lists them
+    for (layout, _), measured in sorted(rounds.items(), key=lambda kv: order.index(kv[0][0])):
+        ranked = sorted(measured, key=lambda p: p.tokens_per_s)
+        median = dataclasses.replace(
+            ranked[(len(ranked) - 1) // 2], rounds_tps=[p.tokens_per_s for p in measured]
+        )
+        (points if layout in ring_layouts else baselines).append(median)
+    return points, baselines
 
 
 @dataclass
@@ -615,6 +707,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     }
     if http:
         out["http_over_native"] = http
+    paired = _paired_ratios(closed_all, baselines_all)
+    if paired:
+        out["median_of_round_ratios"] = paired
     baselines = result.get("baselines") or ([base] if base else [])
     if len({p["closed_loop_concurrency"] for p in closed_all}) > 1:
         for key, field in (("tokens_per_s", "output_tokens_per_s"), ("tpot_p50_ms", "tpot_p50_ms")):
@@ -624,6 +719,31 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
                     field
                 ]
             out[f"closed_loop_{key}"] = by_concurrency
+    return out
+
+
+def _paired_ratios(
+    closed: list[dict[str, Any]], baselines: list[dict[str, Any]]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """With --repeats: per concurrency, each layout over the first baseline and PP=2 over PP=1,
+    round by round (a round measures both within minutes of each other) and their median."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for concurrency in sorted({p["closed_loop_concurrency"] for p in closed}):
+        at = {
+            p["layout"]: p["output_tokens_per_s_rounds"]
+            for p in [*closed, *baselines]
+            if p["closed_loop_concurrency"] == concurrency and "output_tokens_per_s_rounds" in p
+        }
+        pairs = [(k, baselines[0]["layout"]) for k in at if baselines and k.startswith("PP=")]
+        pairs += [("PP=2", "PP=1")] if "PP=1" in at and "PP=2" in at else []
+        for num, den in pairs:
+            if den not in at:
+                continue
+            per_round = sorted(a / b for a, b in zip(at[num], at[den]))
+            out.setdefault(str(concurrency), {})[f"{num} / {den}"] = {
+                "median": round(per_round[(len(per_round) - 1) // 2], 3),
+                "rounds": [round(a / b, 3) for a, b in zip(at[num], at[den])],
+            }
     return out
 
 
@@ -660,6 +780,11 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"C={concurrency}: {ratios}")
     if "pp2_over_pp1" in head:
         lines.append(f"PP=2 / PP=1 at saturation: {head['pp2_over_pp1']:.2f}x")
+    for concurrency, values in head.get("median_of_round_ratios", {}).items():
+        for key, value in values.items():
+            rounds = " ".join(f"{x:.2f}" for x in value["rounds"])
+            lines.append(f"C={concurrency}: {key}, median of rounds {value['median']:.2f}x "
+                         f"({rounds})")  # fmt: skip
     for layout, ratio in head.get("http_over_native", {}).items():
         lines.append(f"{layout} (OpenAI API) / its ZeroMQ client at saturation: {ratio:.2f}x")
     return "\n".join(lines)

@@ -82,6 +82,42 @@ def test_bench_serve_at_several_concurrencies_on_a_random_model(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_repeats_alternate_every_ring_and_baseline_and_report_the_median_round(tmp_path):
+    model = make_random_model(tmp_path / "random", PRESETS["tiny"], dtype="float32")
+    out = tmp_path / "out"
+    code = serve_bench.main(
+        [
+            "--model", str(model), "--pp-sizes", "1,2", "--num-requests", "6",
+            "--concurrency", "3", "--no-sweep", "--repeats", "3", "--prompt-tokens", "8,64",
+            "--output-tokens", "4,12", "--kv-memory-gib", "0.05", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "bench_serve.json").read_text())
+    expected_tokens = result["workload"]["output_tokens_total"]
+    reported = [*result["points"], *result["baselines"]]
+    assert [p["layout"] for p in reported] == ["PP=1", "PP=2", "HF generate"]
+    for point in reported:  # the median of three rounds, each round's figure kept
+        rounds = point["output_tokens_per_s_rounds"]
+        assert len(rounds) == 3 and point["output_tokens"] == expected_tokens
+        assert point["output_tokens_per_s"] == pytest.approx(sorted(rounds)[1], abs=0.01)
+    paired = result["headline"]["median_of_round_ratios"]["3"]
+    assert set(paired) == {"PP=1 / HF generate", "PP=2 / HF generate", "PP=2 / PP=1"}
+    pp1, pp2 = (p["output_tokens_per_s_rounds"] for p in result["points"])
+    ratios = [b / a for a, b in zip(pp1, pp2)]
+    assert paired["PP=2 / PP=1"]["rounds"] == pytest.approx(ratios, abs=1e-3)
+    assert paired["PP=2 / PP=1"]["median"] == pytest.approx(sorted(ratios)[1], abs=1e-3)
+
+
+def test_repeats_need_closed_loops_of_our_own_rings():
+    for bad in (["--repeats", "0"], ["--repeats", "3"], ["--repeats", "3", "--no-sweep",
+                "--base-url", "http://127.0.0.1:8000/v1"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(bad)
+    assert serve_bench.parse_args(["--repeats", "3", "--no-sweep"]).repeats == 3
+
+
+@pytest.mark.timeout(300)
 def test_bench_serve_through_the_openai_api_and_the_native_client_side_by_side(
     default_model, tmp_path
 ):
