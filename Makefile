@@ -62,7 +62,7 @@ bench-serve: setup
 	$(BIN)/ppring prepare-model
 	$(BIN)/ppring bench serve --out bench/results
 	$(BIN)/ppring bench serve --workload equal --no-sweep --concurrency 32,64 \
-		--hf-dtypes float32,bfloat16 --out bench/results/equal
+		--hf-dtypes float32 --repeats 3 --out bench/results/equal
 
 bench-step: setup
 	$(BIN)/ppring prepare-model

@@ -855,10 +855,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     model = Path(result["model"]).name
+    rounds = max((len(p.get("output_tokens_per_s_rounds", ())) for p in closed), default=0)
     fig.suptitle(
         f"ppring bench serve: {model}, {result.get('dtype_resolved', result['dtype'])} on "
         f"{result['device']}, {result['threads']} threads, {result.get('workload_kind', 'mixed')}"
-        " workload"
+        " workload" + (f", median of {rounds} alternated rounds" if rounds > 1 else "")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
