@@ -127,6 +127,12 @@ class StageHello(Control):
     pp_loop_size: int
     context_length: int
     split_lm_head: bool = False
+    # Every stage's scheduler replica must decide the same batches from the same inputs, so
+    # the flags they decide by must agree as each stage resolved them (a CPU and a GPU node
+    # resolve an unset --chunked-prefill-size differently).
+    max_running_requests: int = 0
+    pp_max_micro_batch_size: int | None = None
+    chunked_prefill_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,15 @@ class ModelInfo:
 ALLOCATE_TIMEOUT_S = 300.0
 
 # What every stage must agree on with stage 0 at start-up (besides the KV capacity).
-AGREED_FIELDS = ("config_hash", "pp_loop_size", "context_length", "split_lm_head")
+AGREED_FIELDS = (
+    "config_hash",
+    "pp_loop_size",
+    "context_length",
+    "split_lm_head",
+    "max_running_requests",
+    "pp_max_micro_batch_size",
+    "chunked_prefill_size",
+)
 
 
 class RingControl:

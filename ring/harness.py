@@ -108,8 +108,10 @@ class ThreadRing:
     make_stage: Callable[[RingConfig], Stage]
     model: ModelInfo
     run_id: str = "ring"
-    # Each stage's view of the model, when they should differ (a test of the handshake).
+    # Each stage's view of the model, and its flags, when they should differ (tests of the
+    # handshake).
     model_for: Callable[[RingConfig], ModelInfo] | None = None
+    cfg_for: Callable[[RingConfig], RingConfig] | None = None
     loops: list[StageLoop] = field(default_factory=list)
     exit_codes: dict[int, int] = field(default_factory=dict)
 
@@ -119,6 +121,8 @@ class ThreadRing:
         # inproc needs the binding side first (tcp does not): every stage binds, then the
         # driver (which binds the deltas PULL stage 0 connects to), then every stage connects.
         cfgs = [dataclasses.replace(self.cfg, rank=rank) for rank in range(self.cfg.pp_size)]
+        if self.cfg_for is not None:
+            cfgs = [self.cfg_for(c) for c in cfgs]
         links = [bind_links(c, self.addrs, self.ctx) for c in cfgs]
         self.driver = RingDriver(self.addrs, self.ctx)
         for c, stage_links in zip(cfgs, links):

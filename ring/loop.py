@@ -86,6 +86,9 @@ class StageLoop:
                 pp_loop_size=self.cfg.pp_loop_size,
                 context_length=self.model.context_length,
                 split_lm_head=self.cfg.split_lm_head,
+                max_running_requests=self.cfg.max_running_requests,
+                pp_max_micro_batch_size=self.cfg.pp_max_micro_batch_size,
+                chunked_prefill_size=self.cfg.chunked_prefill_size,
             ),
             allocate=self.stage.allocate_kv,  # on a GPU this also captures the decode graphs
         )

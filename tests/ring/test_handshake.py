@@ -29,6 +29,33 @@ def test_a_stage_that_loaded_another_model_stops_the_whole_ring_at_start_up():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "flag, mine, theirs",
+    [
+        ("chunked_prefill_size", 512, 128),  # a CPU node's default at PP >= 2 beside a GPU's
+        ("max_running_requests", 64, 32),
+        ("pp_max_micro_batch_size", None, 8),
+    ],
+)
+def test_a_stage_whose_scheduling_flags_differ_stops_the_whole_ring_at_start_up(flag, mine, theirs):
+    """Each stage's scheduler replica decides every batch itself: one deciding by other flags
+    would silently diverge, so the handshake compares them as each stage resolved them."""
+    import dataclasses
+
+    ring = sim_ring(RingConfig(pp_size=3, ring_timeout_s=10, **{flag: mine}))
+    ring.cfg_for = lambda c: dataclasses.replace(c, **{flag: theirs}) if c.rank == 1 else c
+    with ring:
+        codes = ring.join(timeout_s=20)
+        deadline = time.monotonic() + 10
+        while ring.driver.ring_error() is None and time.monotonic() < deadline:
+            ring.driver.poll(0.05)
+        error = ring.driver.ring_error()
+    assert codes == {0: 1, 1: 1, 2: 1}
+    assert error is not None and error.rank == 1
+    assert f"[pp1] {flag} differs from stage 0's ({theirs!r} vs {mine!r})" in error.message
+
+
+@pytest.mark.timeout(60)
 def test_the_ring_is_ready_only_once_every_stage_has_allocated_and_they_allocate_at_once():
     """Stage 0 tells the frontend the ring is ready after the last stage's KV cache exists, so a
     first request never waits for a stage still allocating; the stages allocate in parallel."""
