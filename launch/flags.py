@@ -65,6 +65,15 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
     Flag("--ring-timeout", float, 30.0, field="ring_timeout_s"),
+    Flag(
+        "--trace-steps",
+        str,
+        None,
+        field="trace_steps_dir",
+        help="a folder: each stage writes one JSON line per step there (when it started, was "
+        "decided, launched, computed and ended; its batch's requests, decodes and tokens), to "
+        "see where a step's time goes",
+    ),
     Flag("--stage-impl", str, "real", choices=("real", "sim"), agreed=True),
     Flag("--model", str, None, help="a local Hugging Face folder"),
     Flag(

@@ -29,6 +29,8 @@ class RingConfig:
     # The ring's incarnation: 0 at start, one more each time the launcher re-forms it after a
     # stage died. Every ring message carries it; one from an older ring is dropped and logged.
     epoch: int = 0
+    # --trace-steps: a folder each stage writes one JSON line per step into (ring/trace.py).
+    trace_steps_dir: str | None = None
     # Fault injection for tests: (what, rank, step). "diverge": that rank drops the last
     # request of its decision at that step; "drop": that rank does not send its proxy.
     debug_fault: tuple[str, int, int] | None = None

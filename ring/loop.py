@@ -43,6 +43,7 @@ from ring.links import Links
 from ring.report import StatsReporter
 from ring.roles import LoopStats, build_roles
 from ring.scheduler import Batch, DivergenceError, Scheduler, batch_digest
+from ring.trace import StepTracer
 from stages.contract import FinishedStep, Seam, Stage, StageOutput, StepHandle
 
 __all__ = ["Links", "LoopStats", "ModelInfo", "RingDown", "StageLoop"]
@@ -75,6 +76,7 @@ class StageLoop:
         self.prepared: Batch | None = None  # the next step's batch, decided during a forward
         self.deltas: list[RequestDelta] = []  # for the frontend, sent once per step
         self.launched_at = 0.0
+        self.tracer: StepTracer | None = None  # --trace-steps, opened once the ring is ready
 
     def handshake(self) -> int:
         """Agree the KV capacity round the ring, allocate it, build the scheduler."""
@@ -110,6 +112,8 @@ class StageLoop:
             if self.scheduler is None:
                 self.handshake()
             self.head.announce_ready(self.scheduler.num_kv_blocks)
+            if self.cfg.trace_steps_dir is not None:
+                self.tracer = StepTracer(self.cfg.trace_steps_dir, self.cfg.rank, self.cfg.epoch)
             start = time.monotonic()
             reporter = StatsReporter(self.cfg, self.control, self.stats)
             step = 0
@@ -131,14 +135,18 @@ class StageLoop:
             self.control.fail(str(exc), getattr(exc, "origin_rank", None))
             return 1
         finally:
+            if self.tracer is not None:
+                self.tracer.close()
             self.links.close()
 
     # -- one step: DESIGN.md §6 ------------------------------------------------------------------
 
     def _step(self, step: int) -> bool:
+        started = time.monotonic()
         batch = self._take_batch(step)  # 1 reqs, 2 decide (or done during the last forward)
         if batch is None:
             return False  # shutdown went round the ring
+        decided = time.monotonic()
         seam = self.head.take_seam(batch)  # 3 proxy
         handle = self._launch(batch, seam)  # 4 run
         if handle.overlaps and self.cfg.pp_loop_size > 1:
@@ -147,6 +155,11 @@ class StageLoop:
             self._send(batch, self._wait(handle))  # 6 send: the proxy or the sampled output
             self._apply_due_output(step)  # 5 output
         self._end_step(step)
+        if self.tracer is not None:
+            computed = max(handle.ended_at, self.launched_at)  # an empty slot ran nothing
+            self.tracer.record(
+                batch, started, decided, self.launched_at, computed, time.monotonic()
+            )
         return True
 
     def _finish_overlapped(self, step: int, batch: Batch, handle: StepHandle) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -47,3 +48,32 @@ def test_every_stage_reports_its_work_and_the_last_report_is_idle(pp_size):
         first = reports[0]
         assert first.round_trips > 0 and first.round_trip_s > 0
         assert reports[1].proxy_wait_s > 0
+
+
+@pytest.mark.timeout(120)
+def test_trace_steps_writes_one_line_per_step_on_every_stage(tmp_path):
+    folder = tmp_path / "trace"
+    cfg = RingConfig(
+        pp_size=2,
+        pp_async_batch_depth=1,
+        max_running_requests=8,
+        chunked_prefill_size=64,
+        trace_steps_dir=str(folder),
+    )
+    requests = random_requests(random.Random(7), 12, max_prompt=100, max_new=10)
+    tokens = sum(len(prompt) + s.max_new_tokens - 1 for _, prompt, s in requests)
+    decodes = sum(s.max_new_tokens - 1 for _, _, s in requests)  # every sampled token but the last
+    with sim_ring(cfg, SimSpec(t0_s=0.002)) as ring:
+        ring.driver.submit_many(requests)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=60)
+    files = sorted(folder.glob("*.jsonl"))
+    assert [f.name.split("-")[:2] for f in files] == [["stage0", "epoch0"], ["stage1", "epoch0"]]
+    for path in files:
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [x["step"] for x in lines] == list(range(len(lines)))  # every step, in order
+        assert all(x["slot"] == x["step"] % cfg.pp_loop_size for x in lines)
+        for x in lines:
+            assert x["start"] <= x["decided"] <= x["launched"] <= x["computed"] <= x["end"], x
+            assert x["decodes"] <= x["requests"] <= x["tokens"] or x["requests"] == 0
+        assert sum(x["tokens"] for x in lines) == tokens  # what the stage ran, all of it
+        assert sum(x["decodes"] for x in lines) == decodes
