@@ -271,7 +271,7 @@ class Point:
             "num_requests": len(self.records),
             "output_tokens": tokens,
             "elapsed_s": round(self.elapsed_s, 3),
-            "output_tokens_per_s": round(tokens / self.elapsed_s, 2),
+            "output_tokens_per_s": round(self.tokens_per_s, 2),
         }
         if self.rounds_tps is not None:
             out["output_tokens_per_s_rounds"] = [round(x, 2) for x in self.rounds_tps]
@@ -369,13 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             _sweep(args, [target], workload, points)
         for pp_size in [] if args.base_url else args.pp_sizes:
             with local_ring(args, model_dir, pp_size, logs) as (addr, http_url):
-                targets = [
-                    Target(f"PP={pp_size}" + (" HTTP" if b == "openai" else ""), addr, http_url)
-                    if b == "openai"
-                    else Target(f"PP={pp_size}", addr, None)
-                    for b in args.backends
-                ]
-                _sweep(args, targets, workload, points)
+                _sweep(args, _targets(args, pp_size, addr, http_url), workload, points)
             # Written after every layout and baseline: a later failure loses nothing measured.
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
     for name, hf_dtype, compiled in hf_baselines(args):
@@ -422,9 +416,7 @@ def _alternated(
         targets: list[Target] = []
         for pp_size in args.pp_sizes:
             addr, http_url = rings.enter_context(local_ring(args, model_dir, pp_size, logs))
-            for b in args.backends:
-                layout = f"PP={pp_size}" + (" HTTP" if b == "openai" else "")
-                targets.append(Target(layout, addr, http_url if b == "openai" else None))
+            targets += _targets(args, pp_size, addr, http_url)
         for target in targets:
             _warm_up(target, workload, max(args.concurrencies), args.seed)
         hfs = [
@@ -448,17 +440,24 @@ def _alternated(
 def _medians(
     rounds: dict[tuple[str, int], list[Point]], ring_layouts: set[str]
 ) -> tuple[list[Point], list[Point]]:
-    """Each point's median round by tok/s (the lower middle of an even count), carrying every
-    round's tok/s; split into the rings' points and the baselines'."""
+    """Each point's median round by tok/s, carrying every round's tok/s; split into the rings'
+    points and the baselines'."""
     points, baselines = [], []
     order = list(dict.fromkeys(layout for layout, _ in rounds))  # as the table lists them
     for (layout, _), measured in sorted(rounds.items(), key=lambda kv: order.index(kv[0][0])):
-        ranked = sorted(measured, key=lambda p: p.tokens_per_s)
         median = dataclasses.replace(
-            ranked[(len(ranked) - 1) // 2], rounds_tps=[p.tokens_per_s for p in measured]
+            _lower_median(measured, key=lambda p: p.tokens_per_s),
+            rounds_tps=[p.tokens_per_s for p in measured],
         )
         (points if layout in ring_layouts else baselines).append(median)
     return points, baselines
+
+
+def _lower_median(values, key=None):
+    """The middle value, the lower of the two middles for an even count (one that was measured,
+    not an average of two)."""
+    ranked = sorted(values, key=key)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 @dataclass
@@ -474,6 +473,19 @@ class Target:
         if self.http_url is not None:
             return OpenAIBackend(self.http_url, self.model)
         return NativeBackend(self.addr)
+
+
+def _targets(
+    args: argparse.Namespace, pp_size: int, addr: str, http_url: str | None
+) -> list[Target]:
+    """One layout's ring as each --backend reaches it: its ZeroMQ client ("PP=2") or its
+    OpenAI API ("PP=2 HTTP")."""
+    return [
+        Target(f"PP={pp_size} HTTP", addr, http_url)
+        if b == "openai"
+        else Target(f"PP={pp_size}", addr, None)
+        for b in args.backends
+    ]
 
 
 def _sweep(
@@ -739,10 +751,10 @@ def _paired_ratios(
         for num, den in pairs:
             if den not in at:
                 continue
-            per_round = sorted(a / b for a, b in zip(at[num], at[den]))
+            per_round = [a / b for a, b in zip(at[num], at[den])]
             out.setdefault(str(concurrency), {})[f"{num} / {den}"] = {
-                "median": round(per_round[(len(per_round) - 1) // 2], 3),
-                "rounds": [round(a / b, 3) for a, b in zip(at[num], at[den])],
+                "median": round(_lower_median(per_round), 3),
+                "rounds": [round(x, 3) for x in per_round],
             }
     return out
 

@@ -126,13 +126,13 @@ class StageHello(Control):
     config_hash: str
     pp_loop_size: int
     context_length: int
-    split_lm_head: bool = False
     # Every stage's scheduler replica must decide the same batches from the same inputs, so
     # the flags they decide by must agree as each stage resolved them (a CPU and a GPU node
     # resolve an unset --chunked-prefill-size differently).
-    max_running_requests: int = 0
-    pp_max_micro_batch_size: int | None = None
-    chunked_prefill_size: int = 0
+    max_running_requests: int
+    pp_max_micro_batch_size: int | None
+    chunked_prefill_size: int
+    split_lm_head: bool = False
 
 
 @dataclass(frozen=True)

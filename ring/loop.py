@@ -142,11 +142,12 @@ class StageLoop:
     # -- one step: DESIGN.md §6 ------------------------------------------------------------------
 
     def _step(self, step: int) -> bool:
-        started = time.monotonic()
+        tracing = self.tracer is not None
+        started = time.monotonic() if tracing else 0.0
         batch = self._take_batch(step)  # 1 reqs, 2 decide (or done during the last forward)
         if batch is None:
             return False  # shutdown went round the ring
-        decided = time.monotonic()
+        decided = time.monotonic() if tracing else 0.0
         seam = self.head.take_seam(batch)  # 3 proxy
         handle = self._launch(batch, seam)  # 4 run
         if handle.overlaps and self.cfg.pp_loop_size > 1:
@@ -155,7 +156,7 @@ class StageLoop:
             self._send(batch, self._wait(handle))  # 6 send: the proxy or the sampled output
             self._apply_due_output(step)  # 5 output
         self._end_step(step)
-        if self.tracer is not None:
+        if tracing:
             computed = max(handle.ended_at, self.launched_at)  # an empty slot ran nothing
             self.tracer.record(
                 batch, started, decided, self.launched_at, computed, time.monotonic()

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
-from protocol.messages import RingReady
+from protocol.messages import RingError, RingReady
 from ring.config import RingConfig
+from ring.harness import ThreadRing
 from ring.loop import ModelInfo
 from tests.ring.conftest import sim_ring
+
+
+def start_up_failure(ring: ThreadRing) -> tuple[dict[int, int], RingError | None]:
+    """Run a ring that should stop at start-up: each stage's exit code, and the error report
+    the frontend side got (waited for up to 10 s after the stages exit)."""
+    with ring:
+        codes = ring.join(timeout_s=20)
+        deadline = time.monotonic() + 10
+        while ring.driver.ring_error() is None and time.monotonic() < deadline:
+            ring.driver.poll(0.05)
+        return codes, ring.driver.ring_error()
 
 
 @pytest.mark.timeout(60)
 def test_a_stage_that_loaded_another_model_stops_the_whole_ring_at_start_up():
     ring = sim_ring(RingConfig(pp_size=3, ring_timeout_s=10))
     ring.model_for = lambda c: ModelInfo(4096, config_hash="other" if c.rank == 2 else "mine")
-    with ring:
-        codes = ring.join(timeout_s=20)
-        deadline = time.monotonic() + 10
-        while ring.driver.ring_error() is None and time.monotonic() < deadline:
-            ring.driver.poll(0.05)
-        error = ring.driver.ring_error()
+    codes, error = start_up_failure(ring)
     assert codes == {0: 1, 1: 1, 2: 1}  # no stage serves, none hangs
     assert error is not None and error.rank == 2
     assert "[pp2] config_hash differs from stage 0's" in error.message
@@ -40,16 +48,9 @@ def test_a_stage_that_loaded_another_model_stops_the_whole_ring_at_start_up():
 def test_a_stage_whose_scheduling_flags_differ_stops_the_whole_ring_at_start_up(flag, mine, theirs):
     """Each stage's scheduler replica decides every batch itself: one deciding by other flags
     would silently diverge, so the handshake compares them as each stage resolved them."""
-    import dataclasses
-
     ring = sim_ring(RingConfig(pp_size=3, ring_timeout_s=10, **{flag: mine}))
     ring.cfg_for = lambda c: dataclasses.replace(c, **{flag: theirs}) if c.rank == 1 else c
-    with ring:
-        codes = ring.join(timeout_s=20)
-        deadline = time.monotonic() + 10
-        while ring.driver.ring_error() is None and time.monotonic() < deadline:
-            ring.driver.poll(0.05)
-        error = ring.driver.ring_error()
+    codes, error = start_up_failure(ring)
     assert codes == {0: 1, 1: 1, 2: 1}
     assert error is not None and error.rank == 1
     assert f"[pp1] {flag} differs from stage 0's ({theirs!r} vs {mine!r})" in error.message
