@@ -224,6 +224,12 @@ class Frontend:
                 )
             )
             return
+        beyond = [t for t in req.sampling.logit_bias_ids() if t >= self.vocab_size]
+        if beyond:
+            raise ProtocolError(
+                f"logit_bias holds token id {min(beyond)}, beyond the vocabulary "
+                f"({self.vocab_size})"
+            )
         input_ids = self.tokenize(req)
         total = len(input_ids) + req.sampling.max_new_tokens
         if total > self.context_length:

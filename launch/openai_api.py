@@ -6,10 +6,11 @@
 FastAPI on uvicorn with uvloop, the stack vLLM and SGLang serve their OpenAI APIs with, run as
 one more task of the frontend's asyncio loop: a request here is tokenized by the frontend and
 submitted exactly as a ZeroMQ client's is (`Frontend.submit`), its answers arrive on a queue.
-The request bodies follow OpenAI's, with vLLM's extensions a user of vLLM sends (`top_k`,
-`min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`). Anything else, or a value this
-engine cannot honour (`n` > 1, penalties, tools, top alternatives in logprobs), is refused
-with an OpenAI-shaped error and the status a client expects, never a 500.
+The request bodies follow OpenAI's (`presence_penalty`, `frequency_penalty` and `logit_bias`
+included), with vLLM's extensions a user of vLLM sends (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`). Anything else, or a value this engine cannot honour (`n` > 1,
+tools, top alternatives in logprobs), is refused with an OpenAI-shaped error and the status a
+client expects, never a 500.
 """
 
 from __future__ import annotations
@@ -123,12 +124,6 @@ def _unsupported(req: _Common) -> str | None:
     """The first field set to something this engine cannot do, in a sentence; None if none."""
     checks = [
         (req.n != 1, "n must be 1: one choice per request"),
-        (req.presence_penalty != 0.0, "presence_penalty is not supported (repetition_penalty is)"),
-        (
-            req.frequency_penalty != 0.0,
-            "frequency_penalty is not supported (repetition_penalty is)",
-        ),
-        (bool(req.logit_bias), "logit_bias is not supported"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
@@ -298,6 +293,9 @@ class OpenAIRoutes:
             top_p=req.top_p,
             min_p=req.min_p,
             repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=dict(req.logit_bias or {}),
             seed=req.seed,
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,

@@ -2,7 +2,10 @@
 
 Names and meanings follow SGLang's / vLLM's `SamplingParams` so a user can move over without a
 dictionary: `top_k = -1` and `top_p = 1.0` and `min_p = 0.0` disable those filters,
-`temperature = 0` is greedy.
+`temperature = 0` is greedy. The penalties are vLLM's: `repetition_penalty` scales the logits of
+every token the request has seen (prompt and output, as transformers does), `presence_penalty`
+and `frequency_penalty` subtract from the logits of tokens it has generated (once, and per
+occurrence), and `logit_bias` adds to chosen tokens' logits (OpenAI's, keyed by token id).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from protocol.errors import ProtocolError
 # Largest seed we accept: it must survive msgpack (int64) and torch.Generator.manual_seed.
 MAX_SEED = 2**63 - 1
 MAX_STOP_ENTRIES = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,10 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id (a decimal string, as in OpenAI's JSON and so msgpack's map keys) -> added logit
+    logit_bias: dict[str, float] = field(default_factory=dict)
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -40,6 +48,9 @@ class SamplingParams:
         _check_float(
             "repetition_penalty", self.repetition_penalty, low=0.0, high=10.0, low_open=True
         )
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_logit_bias(self.logit_bias)
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_ENTRIES:
@@ -57,6 +68,24 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_history(self) -> bool:
+        """A penalty reads the request's tokens so far."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def changes_logits(self) -> bool:
+        """Something moves the raw logits before the choice (so greedy is not their argmax)."""
+        return self.needs_history or bool(self.logit_bias)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias with int keys (checked decimal at construction)."""
+        return {int(token_id): bias for token_id, bias in self.logit_bias.items()}
+
 
 def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     # bool is an int subclass in Python; a client that sends `true` for a count is wrong.
@@ -66,6 +95,29 @@ def _check_int(name: str, value: object, low: int | None = None, high: int | Non
         raise ProtocolError(f"{name} must be at least {low}, got {value}")
     if high is not None and value > high:
         raise ProtocolError(f"{name} must be at most {high}, got {value}")
+
+
+def _check_logit_bias(logit_bias: object) -> None:
+    if not isinstance(logit_bias, dict) or len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ProtocolError(
+            f"logit_bias must be a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases"
+        )
+    for token_id, bias in logit_bias.items():
+        if not _is_token_id(token_id):
+            raise ProtocolError(f"logit_bias keys must be token ids, got {token_id!r}")
+        _check_float(f"logit_bias[{token_id}]", bias, low=-100.0, high=100.0)
+
+
+def _is_token_id(key: object) -> bool:
+    """A token id as "12": ASCII digits without sign, spaces or leading zeros (one token, one key),
+    and short enough for int() to be cheap."""
+    return (
+        isinstance(key, str)
+        and 0 < len(key) <= 10
+        and key.isascii()
+        and key.isdigit()
+        and (key == "0" or key[0] != "0")
+    )
 
 
 def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:

@@ -29,12 +29,9 @@ class Req:
     finish_reason: str | None = None
     num_retractions: int = 0
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        """all_ids[start:end] without building all_ids (a decode step reads one token)."""
+        """(prompt_ids + output_ids)[start:end] without building the sum (a decode step reads
+        one token)."""
         num_prompt = len(self.prompt_ids)
         if start >= num_prompt:
             return self.output_ids[start - num_prompt : end - num_prompt]

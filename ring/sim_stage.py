@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.sampling import SamplingParams
-from stages.batch import SampleResult, SeqChunk
+from stages.batch import History, SampleResult, SeqChunk
 from stages.contract import FinishedStep, LogitsShare, Seam, Stage, StageOutput, StepHandle
 
 SIM_VOCAB = 50_000
@@ -116,7 +116,7 @@ class SimStage(Stage):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> StageOutput | DeferredSample:
         return self.launch(chunks, hidden_states, residual, sampling, histories).wait()
 
@@ -126,7 +126,7 @@ class SimStage(Stage):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> SimForward | FinishedStep:
         """Check the inputs and start the clock: the forward ends `t0 + t_token * T` from now,
         while the loop prepares its next step (a device computing, the CPU scheduling)."""
@@ -170,7 +170,7 @@ class SimStage(Stage):
         chunks: list[SeqChunk],
         share: LogitsShare,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> SampleResult:
         """The first stage "samples" the tokens the last one put in its share."""
         num_sampled = sum(chunk.sample for chunk in chunks)

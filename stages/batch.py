@@ -7,6 +7,7 @@ answers with a `SampleResult` holding one token per chunk whose `sample` flag is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Tokens per KV block. Fixed for the whole ring: every stage's block tables index the same blocks.
@@ -34,6 +35,15 @@ class SeqChunk:
     def seq_len(self) -> int:
         """Tokens of this sequence in the KV cache once this chunk has run."""
         return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class History:
+    """One request's tokens so far, for the penalties that read them: the repetition penalty
+    reads both parts, the presence and frequency penalties only the output (as vLLM's)."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
 
 
 @dataclass(frozen=True)

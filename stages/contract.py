@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
-from stages.batch import SampleResult, SeqChunk
+from stages.batch import History, SampleResult, SeqChunk
 
 if TYPE_CHECKING:
     import torch
@@ -121,15 +121,16 @@ class Stage(ABC):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> StageOutput:
         """Run one step on `chunks`.
 
         hidden_states, residual: [T, d] from the previous stage (None on the first stage).
         sampling, histories: last stage only, one entry per chunk (entries of chunks that do
-        not sample are ignored); sampling None means greedy; a history (prompt + output ids so
-        far) is needed only by a request with a repetition penalty. A seeded request's draw
-        depends only on (seed, chunk.seq_len), never on the rest of the batch.
+        not sample are ignored); sampling None means greedy; a history (prompt and output ids so
+        far) is needed only by a request with a penalty (`SamplingParams.needs_history`). A
+        seeded request's draw depends only on (seed, chunk.seq_len), never on the rest of the
+        batch.
 
         Tensors passed in are only read, so they may be read-only views of received frames;
         tensors returned are fresh each call and never written again by the stage, so they may
@@ -142,7 +143,7 @@ class Stage(ABC):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> StepHandle:
         """Start `run` and return its handle. The ring prepares its next step between the two
         (SGLang's overlap: the CPU schedules while the device computes). A stage whose forward
@@ -157,7 +158,7 @@ class Stage(ABC):
         chunks: list[SeqChunk],
         share: LogitsShare,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> SampleResult:
         """First stage, lm_head split: finish the logits of the step that ran `chunks` with the
         last stage's share, and sample (arguments as in `run`)."""

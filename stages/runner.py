@@ -15,7 +15,7 @@ import torch
 
 from protocol.sampling import SamplingParams
 from stages import native, triton_attention
-from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
+from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
 from stages.config import ModelConfig
 from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
 from stages.cuda_graphs import (
@@ -336,7 +336,7 @@ class StageRunner(Stage):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> StageOutput:
         step = self._forward(chunks, hidden_states, residual)
         output = self._finish(chunks, step, sampling, histories)
@@ -353,7 +353,7 @@ class StageRunner(Stage):
         hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> StepHandle:
         """On a CUDA device the step is only queued when this returns: the seam is on its way
         to pinned host buffers, greedy tokens likewise, and an event marks the end; the ring
@@ -427,7 +427,7 @@ class StageRunner(Stage):
         chunks: list[SeqChunk],
         step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
-        histories: Sequence[Sequence[int] | None] | None,
+        histories: Sequence[History | None] | None,
     ) -> Seam:
         return Seam(hidden_states=step.h, residual=step.residual)  # both [T, d]
 
@@ -436,7 +436,7 @@ class StageRunner(Stage):
         chunks: list[SeqChunk],
         step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
-        histories: Sequence[Sequence[int] | None] | None,
+        histories: Sequence[History | None] | None,
     ) -> SampleResult | DeviceSample:
         """Sample the chunks that sample. On a CUDA device a batch of plain greedy rows leaves
         its tokens on their way to the host (a `DeviceSample`): that copy is the step's only
@@ -459,7 +459,7 @@ class StageRunner(Stage):
         chunks: list[SeqChunk],
         step: Forward,
         sampling: Sequence[SamplingParams | None] | None,
-        histories: Sequence[Sequence[int] | None] | None,
+        histories: Sequence[History | None] | None,
     ) -> LogitsShare:
         """Last stage, lm_head split: its part of the sampled rows' logits, for the first stage.
         A batch of plain greedy rows needs only each row's best logit: 16 bytes a row travel
@@ -482,7 +482,7 @@ class StageRunner(Stage):
         chunks: list[SeqChunk],
         share: LogitsShare,
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> SampleResult:
         """First stage, lm_head split: its rows [0, cut) of the logits, joined with the last
         stage's share, sampled as one [N, V] (so every draw equals the unsplit ring's)."""
@@ -534,7 +534,7 @@ def _sample_picked(
     logits: torch.Tensor,
     chunks: list[SeqChunk],
     sampling: Sequence[SamplingParams | None] | None,
-    histories: Sequence[Sequence[int] | None] | None,
+    histories: Sequence[History | None] | None,
 ) -> SampleResult:
     """Sample logits [N, V] of the chunks that sample, with their parameters and histories."""
     picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
@@ -559,5 +559,6 @@ def _picked_params(
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Argmax of the raw logits and nothing else: no penalty to apply, no logprob to report."""
-    return params.is_greedy and params.repetition_penalty == 1.0 and not params.logprobs
+    """Argmax of the raw logits and nothing else: no penalty or bias to apply, no logprob to
+    report."""
+    return params.is_greedy and not params.changes_logits and not params.logprobs

@@ -1,9 +1,10 @@
 """Turn the last stage's logits into tokens: greedy, temperature, top-k, top-p, min-p,
-repetition penalty, per-request seeds.
+penalties, logit bias, per-request seeds.
 
-Order of processing (that of transformers' logits processors): repetition penalty on the raw
-logits, then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. top-p and min-p
-act on the distribution left after the earlier filters (renormalised).
+Order of processing: on the raw logits the repetition penalty (transformers' and vLLM's first
+processor), then the presence and frequency penalties (vLLM's `apply_penalties` order), then the
+logit bias; then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. top-p and
+min-p act on the distribution left after the earlier filters (renormalised).
 
 Sampling is an exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d., which draws
 exactly from p. A seeded request draws its E from its own generator, seeded from (seed,
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from protocol.sampling import SamplingParams
-from stages.batch import SampleResult
+from stages.batch import History, SampleResult
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -31,14 +32,14 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
-    histories: Sequence[Sequence[int] | None] | None = None,
+    histories: Sequence[History | None] | None = None,
 ) -> SampleResult:
     """logits [N, V]; one SamplingParams, one position (that of the token being sampled) and
-    optionally one history (prompt + output token ids, for the repetition penalty) per row."""
+    optionally one history (for the penalties; None for a row without) per row."""
     if logits.shape[0] != len(params) or len(params) != len(positions):
         raise ValueError("sample() needs one SamplingParams and one position per logits row")
     raw = logits.float()  # [N, V]
-    processed = _apply_repetition_penalty(raw, params, histories)
+    processed = _apply_logit_bias(_apply_penalties(raw, params, histories), params)
     greedy = [p.is_greedy for p in params]
     if all(greedy):
         tokens = processed.argmax(dim=-1)  # [N]; the common fast path: one op for the batch
@@ -59,28 +60,53 @@ def sample(
     return SampleResult(token_ids=tokens.tolist(), logprobs=logprobs)
 
 
-def _apply_repetition_penalty(
+def _apply_penalties(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int] | None] | None,
+    histories: Sequence[History | None] | None,
 ) -> torch.Tensor:
-    """Tokens seen in the request so far: positive logits divided by the penalty, negative ones
-    multiplied (so a penalty > 1 always makes them less likely)."""
-    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    """logits [N, V] -> a copy with each row's penalties applied (the input where no row has
+    one). Repetition: tokens seen in prompt or output have positive logits divided by the
+    penalty and negative ones multiplied (so a penalty > 1 always makes them less likely).
+    Then, over the output only: minus presence_penalty for each token generated at least once,
+    minus frequency_penalty times its count."""
+    rows = [i for i, p in enumerate(params) if p.needs_history]
     if not rows:
         return logits
-    if histories is None:
-        raise ValueError("a repetition penalty needs the request's token history")
+    if histories is None or any(histories[i] is None for i in rows):
+        raise ValueError("a penalty needs the request's token history")
     logits = logits.clone()
+    vocab = logits.shape[1]
     for i in rows:
-        history = histories[i]
-        if not history:
-            continue
-        seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=logits.device)
-        values = logits[i, seen]
-        penalty = params[i].repetition_penalty
-        logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+        p, history = params[i], histories[i]
+        output = torch.tensor(history.output_ids, dtype=torch.long, device=logits.device)
+        output = output[output < vocab]  # [n_out]; ids the model cannot produce count nothing
+        if p.repetition_penalty != 1.0:
+            prompt = torch.tensor(history.prompt_ids, dtype=torch.long, device=logits.device)
+            seen = torch.cat([prompt[prompt < vocab], output]).unique()  # [n_seen]
+            values = logits[i, seen]
+            penalty = p.repetition_penalty
+            logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and output.numel():
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [N, V] plus each row's logit_bias (ids beyond the vocabulary are refused by the
+    frontend; here they are skipped, so a ring-side client cannot index out of bounds)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    biased = logits.clone()
+    for i in rows:
+        bias = {t: b for t, b in params[i].logit_bias_ids().items() if t < vocab}
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            biased[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
+    return biased
 
 
 def _sample_rows(

@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -110,6 +111,48 @@ def test_greedy_completions_are_transformers_tokens_streamed_or_not(server, clie
 
 
 @pytest.fixture(scope="module")
+def hf_penalised(default_model):
+    """Greedy over transformers' logits with presence and frequency penalties (vLLM's: over
+    the output) and a logit bias applied by hand: the reference for the last stage's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    model = AutoModelForCausalLM.from_pretrained(default_model, dtype=torch.float32).eval()
+
+    def greedy(prompt: str, n: int, presence: float, frequency: float, bias: dict[int, float]):
+        ids = tokenizer(prompt).input_ids
+        out: list[int] = []
+        for _ in range(n):
+            with torch.inference_mode():
+                logits = model(torch.tensor([ids + out])).logits[0, -1]  # [V]
+                for token, count in Counter(out).items():
+                    logits[token] -= frequency * count + presence
+                for token, add in bias.items():
+                    logits[token] += add
+                out.append(int(logits.argmax()))
+        return out
+
+    return greedy
+
+
+def test_presence_and_frequency_penalties_and_logit_bias(server, client, hf_greedy, hf_penalised):
+    prompt = PROMPTS[1]  # code: plain greedy repeats tokens within 16
+    banned = hf_greedy[prompt][0]
+    expected = hf_penalised(prompt, 16, 0.5, 1.0, {banned: -100.0})
+    assert expected[0] != banned and expected != hf_greedy[prompt][:16]
+    knobs = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={str(banned): -100.0})
+    ring = asyncio.run(
+        native(server.addr, prompt=prompt, max_new_tokens=16, temperature=0, **knobs)
+    )
+    assert ring.token_ids == expected
+    got = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=16, temperature=0, **knobs
+    )
+    assert got.choices[0].text == ring.text
+
+
+@pytest.fixture(scope="module")
 def hf_chat_greedy(default_model) -> list[int]:
     """transformers' greedy answer to CHAT, through the model's chat template."""
     import torch
@@ -186,6 +229,12 @@ def test_unsupported_and_unknown_get_openai_errors(server, client):
         client.completions.create(model="smol", prompt="hi " * 9000, max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
         client.completions.create(model="smol", prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match=r"presence_penalty must be in \[-2.0, 2.0\]"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, presence_penalty=3)
+    with pytest.raises(openai.BadRequestError, match="token id 49152, beyond the vocabulary"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, logit_bias={"49152": 1})
+    with pytest.raises(openai.BadRequestError, match="keys must be token ids"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, logit_bias={"x": 1})
 
 
 BAD_BODIES: list[object] = [

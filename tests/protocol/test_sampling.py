@@ -26,6 +26,19 @@ def test_defaults_are_valid_and_greedy_is_temperature_zero():
         ("top_p", 1.01, "top_p"),
         ("min_p", -0.5, "min_p"),
         ("repetition_penalty", 0, "repetition_penalty"),
+        ("presence_penalty", 2.5, r"presence_penalty must be in \[-2.0, 2.0\]"),
+        ("frequency_penalty", -2.01, "frequency_penalty must be in"),
+        ("frequency_penalty", None, "number"),
+        ("logit_bias", [], "logit_bias must be a map"),
+        ("logit_bias", {str(i): 1.0 for i in range(1025)}, "at most 1024"),
+        ("logit_bias", {"-1": 1.0}, "keys must be token ids, got '-1'"),
+        ("logit_bias", {"007": 1.0}, "token ids"),
+        ("logit_bias", {" 7": 1.0}, "token ids"),
+        ("logit_bias", {"\u00b2": 1.0}, "token ids"),  # a digit to str.isdigit, not to int()
+        ("logit_bias", {"9" * 11: 1.0}, "token ids"),
+        ("logit_bias", {7: 1.0}, "token ids"),
+        ("logit_bias", {"7": 100.5}, r"logit_bias\[7\] must be in \[-100.0, 100.0\]"),
+        ("logit_bias", {"7": "up"}, "number"),
         ("seed", -1, "seed must be at least 0"),
         ("seed", 2**64, "seed must be at most"),
         ("stop_token_ids", [1, -3], "at least 0"),
@@ -37,3 +50,17 @@ def test_defaults_are_valid_and_greedy_is_temperature_zero():
 def test_out_of_range_values_are_one_clear_error(field, value, words):
     with pytest.raises(ProtocolError, match=words):
         SamplingParams(**{field: value})
+
+
+def test_what_reads_the_history_and_what_moves_the_logits():
+    assert not SamplingParams().needs_history and not SamplingParams().changes_logits
+    for penalty in (
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": -1},
+        {"frequency_penalty": 2},
+    ):
+        assert SamplingParams(**penalty).needs_history
+        assert SamplingParams(**penalty).changes_logits
+    biased = SamplingParams(logit_bias={"0": -1.0, "49151": 5})
+    assert not biased.needs_history and biased.changes_logits
+    assert biased.logit_bias_ids() == {0: -1.0, 49151: 5}

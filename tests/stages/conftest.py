@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from protocol.sampling import SamplingParams
 from stages import native
-from stages.batch import BLOCK_SIZE, SampleResult, SeqChunk
+from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
 from stages.cuda_graphs import GraphRecorder
 from stages.partition import layer_range
 from stages.runner import StageRunner
@@ -175,7 +175,7 @@ class Chain:
         self,
         chunks: list[SeqChunk],
         sampling: Sequence[SamplingParams | None] | None = None,
-        histories: Sequence[Sequence[int] | None] | None = None,
+        histories: Sequence[History | None] | None = None,
     ) -> SampleResult:
         seam = self._through(chunks)
         out = self.stages[-1].run(chunks, **seam, sampling=sampling, histories=histories)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from stages.batch import SampleResult, SeqChunk
+from stages.batch import History, SampleResult, SeqChunk
 from stages.runner import Stage, StageRunner
 from tests.stages.conftest import KV_BUDGET, Chain
 
@@ -72,7 +72,9 @@ def test_sampling_params_and_logprobs_reach_the_sampler(tiny_dirs: dict[str, Pat
     chain = Chain(tiny_dirs["gqa"], [4])
     chunks = [SeqChunk([5, 6, 7], 0, [0], True), SeqChunk([9], 0, [1], True)]
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(top_k=1)]
-    out = chain.sample(chunks, sampling=params, histories=[[5, 6, 7], [9]])
+    out = chain.sample(
+        chunks, sampling=params, histories=[History([5, 6, 7], []), History([9], [])]
+    )
     assert out.logprobs is not None and len(out.logprobs) == 2
     assert all(lp <= 0.0 for lp in out.logprobs)
 

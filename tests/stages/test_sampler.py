@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from protocol.sampling import SamplingParams
-from stages.sampler import GREEDY, sample
+from stages.batch import History
+from stages.sampler import GREEDY, _apply_penalties, sample
 
 VOCAB = 50
 
@@ -48,7 +49,9 @@ def test_seeded_request_is_independent_of_its_batch() -> None:
             SamplingParams(temperature=0.5, min_p=0.1),
             SamplingParams(temperature=1.0, repetition_penalty=1.3),
         ]
-        out = sample(batch, mixed, positions=[p + 100, p, p, p, 3, 9], histories=[[]] * 6)
+        out = sample(
+            batch, mixed, positions=[p + 100, p, p, p, 3, 9], histories=[History([], [])] * 6
+        )
         in_batch.append(out.token_ids[2])
     assert alone == in_batch
     assert len(set(alone)) > 1  # positions give different draws, not one repeated token
@@ -122,14 +125,83 @@ def test_repetition_penalty_pushes_seen_tokens_down() -> None:
     logits[:, 8] = 1.5
     logits[:, 9] = -1.0  # seen, negative: multiplied, so it goes further down
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
-    out = sample(logits, [params, GREEDY], positions=[0, 0], histories=[[7, 9, 7], [7, 9]])
+    histories = [History([7], [9, 7]), History([7, 9], [])]
+    out = sample(logits, [params, GREEDY], positions=[0, 0], histories=histories)
     assert out.token_ids == [8, 7]  # 2.0 / 2 = 1.0 < 1.5; the unpenalised row keeps 7
 
 
-def test_repetition_penalty_needs_history() -> None:
-    params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+def test_repetition_penalty_reads_the_prompt_too() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 8] = 2.0, 1.5
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    out = sample(logits, [params], positions=[0], histories=[History([7], [])])
+    assert out.token_ids == [8]
+
+
+@pytest.mark.parametrize(
+    "penalty", [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": -1}]
+)
+def test_a_penalty_needs_history(penalty: dict) -> None:
+    params = SamplingParams(temperature=0.0, **penalty)
     with pytest.raises(ValueError, match="history"):
         sample(make_logits(1), [params], positions=[0])
+    with pytest.raises(ValueError, match="history"):
+        sample(
+            make_logits(2), [params, params], positions=[0, 0], histories=[History([], []), None]
+        )
+
+
+def test_presence_and_frequency_penalties_subtract_over_the_output_only() -> None:
+    logits = make_logits(2, seed=11)
+    prompt, output = [1, 2, 2, 3], [3, 4, 4, 4, 49]
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=-1.0),
+    ]
+    expected = logits.clone()
+    for token, count in Counter(output).items():  # the prompt's 1 and 2 are not touched
+        expected[0, token] -= 0.5 + 0.25 * count
+    for token in set(prompt + output):  # repetition first, over prompt and output
+        value = expected[1, token]
+        expected[1, token] = value / 2.0 if value > 0 else value * 2.0
+    for token in set(output):
+        expected[1, token] += 1.0
+    histories = [History(prompt, output)] * 2
+    processed = _apply_penalties(logits.float(), params, histories)
+    assert torch.allclose(processed, expected, atol=1e-6)
+    assert sample(logits, params, [0, 0], histories).token_ids == expected.argmax(-1).tolist()
+
+
+def test_a_frequency_penalty_grows_with_the_count() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 6] = 1.0, 1.2  # 6 is best until generated twice
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.15)
+    picks = [sample(logits, [params], [0], [History([], [6] * n)]).token_ids[0] for n in range(3)]
+    assert picks == [6, 6, 5]  # 1.2, 1.05, 0.9 against 1.0
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_logprobs() -> None:
+    logits = make_logits(2, seed=12)
+    worst = int(logits[0].argmin())
+    bias = {str(worst): 100.0}
+    greedy = SamplingParams(temperature=0.0, logit_bias=bias, logprobs=True)
+    hot = SamplingParams(temperature=1.0, seed=3, logit_bias=bias)
+    out = sample(logits, [greedy, hot], positions=[0, 0])
+    assert out.token_ids[0] == worst
+    assert out.logprobs is not None
+    assert out.logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[worst].item(), abs=1e-5)
+    assert out.token_ids[1] == worst  # +100 leaves the rest e^-80 of the mass at most
+    banned = int(logits[1].argmax())
+    out = sample(
+        logits[1:], [SamplingParams(temperature=0.0, logit_bias={str(banned): -100.0})], [0]
+    )
+    assert out.token_ids[0] != banned
+
+
+def test_logit_bias_beyond_the_vocabulary_is_skipped() -> None:
+    logits = make_logits(1, seed=13)
+    params = SamplingParams(temperature=0.0, logit_bias={str(VOCAB + 5): 100.0})
+    assert sample(logits, [params], [0]).token_ids == [int(logits[0].argmax())]
 
 
 def test_logprobs_are_of_the_raw_distribution() -> None:
