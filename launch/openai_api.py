@@ -8,9 +8,10 @@ one more task of the frontend's asyncio loop: a request here is tokenized by the
 submitted exactly as a ZeroMQ client's is (`Frontend.submit`), its answers arrive on a queue.
 The request bodies follow OpenAI's (`presence_penalty`, `frequency_penalty` and `logit_bias`
 included), with vLLM's extensions a user of vLLM sends (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`). Anything else, or a value this engine cannot honour (`n` > 1,
-tools, top alternatives in logprobs), is refused with an OpenAI-shaped error and the status a
-client expects, never a 500.
+`ignore_eos`, `stop_token_ids`). `n` samples of a prompt (and /v1/completions' list of
+prompts) are that many requests in the ring, answered as one (launch/openai_answers.py).
+Anything else, or a value this engine cannot honour (tools, top alternatives in logprobs), is
+refused with an OpenAI-shaped error and the status a client expects, never a 500.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import uvicorn
@@ -32,13 +33,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from launch.frontend import Frontend
 from launch.metrics import CONTENT_TYPE, FrontendMetrics
+from launch.openai_answers import AnswerShape
 from protocol.errors import ProtocolError
 from protocol.messages import ChatMessage, Chunk, Done, Error, Generate
-from protocol.sampling import SamplingParams
+from protocol.sampling import MAX_SEED, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # a whole context of text is under 100 KB; 4 MiB is generous
+# Choices one request may ask for (n x prompts): each is a request in the ring.
+MAX_CHOICES = 128
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
 # The ring's error codes and the HTTP status each one is answered with.
 ERROR_STATUS = {"ring_down": 503, "rejected": 400, "bad_request": 400, "internal": 500}
@@ -123,12 +127,15 @@ class ChatRequest(_Common):
 def _unsupported(req: _Common) -> str | None:
     """The first field set to something this engine cannot do, in a sentence; None if none."""
     checks = [
-        (req.n != 1, "n must be 1: one choice per request"),
+        (not 1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}]"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
             (req.echo, "echo is not supported"),
-            (req.best_of not in (None, 1), "best_of must be 1"),
+            (
+                req.best_of not in (None, req.n),
+                "best_of must equal n: choices are not ranked here",
+            ),
             (req.suffix is not None, "suffix is not supported"),
             (
                 req.logprobs not in (None, 0),
@@ -228,55 +235,83 @@ class OpenAIRoutes:
 
     async def completions(self, request: Request) -> Response:
         req = _parse(CompletionRequest, await _json_body(request))
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "give one prompt per request (n = 1)")
-            prompt = prompt[0]
         self._check_model(req.model)
+        prompts = req.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]  # one prompt: text, or token ids
+        choices = len(prompts) * req.n
+        if len(prompts) > 1 and choices > MAX_CHOICES:  # one prompt: _unsupported words it
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n = {req.n} is {choices} choices, over {MAX_CHOICES}",
+            )
         try:
-            if isinstance(prompt, str):
-                gen = Generate(rid="http", prompt=prompt)
-            else:
-                gen = Generate(rid="http", input_ids=list(prompt))
+            gens = [
+                Generate(rid="http", prompt=p)
+                if isinstance(p, str)
+                else Generate(rid="http", input_ids=list(p))
+                for p in prompts
+            ]
         except ProtocolError as exc:
             raise ApiError(400, _say(exc)) from None
-        return await self._generate(request, req, gen, chat=False)
+        return await self._generate(request, req, gens, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         req = _parse(ChatRequest, await _json_body(request))
         self._check_model(req.model)
         messages = [ChatMessage(role=t.role, content=_text_of(t.content)) for t in req.messages]
-        return await self._generate(request, req, Generate(rid="http", messages=messages), True)
+        return await self._generate(request, req, [Generate(rid="http", messages=messages)], True)
 
-    async def _generate(self, request: Request, req: _Common, gen: Generate, chat: bool):
+    async def _generate(self, request: Request, req: _Common, gens: list[Generate], chat: bool):
+        """Submit n choices of each prompt of `gens` (choice i: sample i % n of prompt i // n)
+        and answer with all of them."""
         if (why := _unsupported(req)) is not None:
             raise ApiError(400, why)
         if self.frontend.ring_error is not None or not self.frontend.ring_ready.is_set():
             reason = self.frontend.ring_error or "the ring is starting"
             raise ApiError(503, f"not serving: {reason}", "unavailable")
         try:
-            input_ids = self.frontend.tokenize(gen)
-            submitted = self._to_ring_request(req, input_ids, chat)
+            prompt_ids = [self.frontend.tokenize(gen) for gen in gens]
+            submitted = [
+                self._to_ring_request(req, ids, chat, sample)
+                for ids in prompt_ids
+                for sample in range(req.n)
+            ]
         except (ProtocolError, ValueError, TypeError) as exc:
             raise ApiError(400, _say(exc)) from None
-        answers: asyncio.Queue[Chunk | Done | Error] = asyncio.Queue()
-        rid = f"http/{uuid.uuid4().hex}"
+        answers: asyncio.Queue[tuple[int, Chunk | Done | Error]] = asyncio.Queue()
+        rids = [f"http/{uuid.uuid4().hex}" for _ in submitted]
+        for index, (rid, gen) in enumerate(zip(rids, submitted)):
 
-        async def sink(msg: Chunk | Done | Error) -> None:
-            answers.put_nowait(msg)
+            async def sink(msg: Chunk | Done | Error, index: int = index) -> None:
+                answers.put_nowait((index, msg))
 
-        try:
-            await self.frontend.submit(rid, submitted, sink)
-        except ProtocolError as exc:
-            raise ApiError(400, _say(exc)) from None
-        shape = AnswerShape(chat, self.model_name, req, len(input_ids), self._token_text)
+            try:
+                await self.frontend.submit(rid, gen, sink)
+            except ProtocolError as exc:
+                self._abort(rids[:index])
+                raise ApiError(400, _say(exc)) from None
+        want_logprobs = req.logprobs is not None and req.logprobs is not False
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        num_prompt_tokens = [len(ids) for ids in prompt_ids for _ in range(req.n)]
+        shape = AnswerShape(
+            chat, self.model_name, req.n, num_prompt_tokens, want_logprobs, include_usage,
+            self._token_text,
+        )  # fmt: skip
         if req.stream:
-            stream = self._stream(rid, answers, shape)
+            stream = self._stream(rids, answers, shape)
             return StreamingResponse(stream, media_type="text/event-stream")
-        return await self._whole(request, rid, answers, shape)
+        return await self._whole(request, rids, answers, shape)
 
-    def _to_ring_request(self, req: _Common, input_ids: list[int], chat: bool) -> Generate:
+    def _abort(self, rids: list[str]) -> None:
+        for rid in rids:  # a finished one is no longer in flight: abort ignores it
+            self.frontend.abort(rid)
+
+    def _to_ring_request(
+        self, req: _Common, input_ids: list[int], chat: bool, sample: int
+    ) -> Generate:
+        """The ring request of sample `sample` of one prompt. A seeded request's samples draw
+        from seed + sample (vLLM's rule), so n seeded samples differ and repeat run to run."""
         room = self.frontend.context_length - len(input_ids)
         max_tokens = req.max_tokens
         if chat and req.max_completion_tokens is not None:
@@ -296,7 +331,7 @@ class OpenAIRoutes:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=dict(req.logit_bias or {}),
-            seed=req.seed,
+            seed=None if req.seed is None else (req.seed + sample) % (MAX_SEED + 1),
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=bool(logprobs),
@@ -315,152 +350,51 @@ class OpenAIRoutes:
             )  # fmt: skip
 
     async def _whole(
-        self, request: Request, rid: str, answers: asyncio.Queue, shape: AnswerShape
+        self, request: Request, rids: list[str], answers: asyncio.Queue, shape: AnswerShape
     ) -> Response:
-        """Collect the answer; a client that goes away meanwhile has its request aborted."""
+        """Collect every choice; a client that goes away meanwhile has its requests aborted,
+        and a choice the ring fails fails the answer (the others are aborted)."""
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(answers.get(), DISCONNECT_POLL_S)
+                    index, msg = await asyncio.wait_for(answers.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        self.frontend.abort(rid)
+                        self._abort(rids)
                         return Response(status_code=499)
                     continue
                 if isinstance(msg, Error):
+                    self._abort(rids)
                     return _ring_error(msg)
-                shape.add(msg)
-                if isinstance(msg, Done):
+                shape.add(index, msg)
+                if shape.all_done:
                     return JSONResponse(shape.whole())
         except asyncio.CancelledError:
-            self.frontend.abort(rid)
+            self._abort(rids)
             raise
 
     async def _stream(
-        self, rid: str, answers: asyncio.Queue, shape: AnswerShape
+        self, rids: list[str], answers: asyncio.Queue, shape: AnswerShape
     ) -> AsyncIterator[str]:
         finished = False
         try:
             if shape.chat:
-                yield _sse(shape.first_chunk())
-            while True:
-                msg = await answers.get()
+                for event in shape.first_chunks():
+                    yield _sse(event)
+            while not shape.all_done:
+                index, msg = await answers.get()
                 if isinstance(msg, Error):
-                    finished = True
                     body = {"message": msg.message, "type": msg.code, "param": None, "code": None}
                     yield _sse({"error": body})
                     break
-                shape.add(msg)
-                for event in shape.stream_events(msg):
+                shape.add(index, msg)
+                for event in shape.stream_events(index, msg):
                     yield _sse(event)
-                if isinstance(msg, Done):
-                    finished = True
-                    break
+            finished = shape.all_done
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away mid-stream
-                self.frontend.abort(rid)
-
-
-# -- answers -----------------------------------------------------------------------------------
-
-
-class AnswerShape:
-    """Builds one request's answer, whole or as stream events, in OpenAI's shapes."""
-
-    def __init__(
-        self,
-        chat: bool,
-        model: str,
-        req: _Common,
-        num_prompt_tokens: int,
-        token_text: Callable[[int], str],
-    ) -> None:
-        self.chat, self.model, self.token_text = chat, model, token_text
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.want_logprobs = req.logprobs is not None and req.logprobs is not False
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.done: Done | None = None
-        self.num_prompt_tokens = num_prompt_tokens
-
-    def add(self, msg: Chunk | Done) -> None:
-        if isinstance(msg, Chunk):
-            self.text.append(msg.text)
-            self.token_ids += msg.token_ids
-            self.logprobs += msg.logprobs or []
-        else:
-            self.done = msg
-
-    def usage(self) -> dict[str, int]:
-        done = self.done
-        completion = done.completion_tokens if done else len(self.token_ids)
-        prompt = done.prompt_tokens if done else self.num_prompt_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        if self.chat:
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
-
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
-        if not self.want_logprobs or not logprobs:
-            return None
-        tokens = [self.token_text(t) for t in token_ids]
-        if self.chat:
-            content = [
-                {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs)
-            ]
-            return {"content": content}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
-                "text_offset": None}  # fmt: skip
-
-    def _choice(self, text: str, finish: str | None, logprobs: dict | None, chunk: bool):
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
-        if not self.chat:
-            choice["text"] = text
-        elif chunk:
-            choice["delta"] = {"content": text} if text or finish is None else {}
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-        return choice
-
-    def whole(self) -> dict[str, Any]:
-        logprobs = self._logprobs(self.token_ids, self.logprobs)
-        finish = self.done.finish_reason if self.done else None
-        choice = self._choice("".join(self.text), finish, logprobs, chunk=False)
-        return {**self._envelope(False), "choices": [choice], "usage": self.usage()}
-
-    def first_chunk(self) -> dict[str, Any]:
-        """A chat stream opens with the assistant's role, as OpenAI's does."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                  "logprobs": None, "finish_reason": None}  # fmt: skip
-        return {**self._envelope(True), "choices": [choice]}
-
-    def stream_events(self, msg: Chunk | Done) -> list[dict[str, Any]]:
-        if isinstance(msg, Chunk):
-            if not msg.text and not (self.want_logprobs and msg.logprobs):
-                return []  # a token with no visible text yet: nothing to show
-            logprobs = self._logprobs(msg.token_ids, msg.logprobs or [])
-            return [
-                {**self._envelope(True), "choices": [self._choice(msg.text, None, logprobs, True)]}
-            ]
-        events = [
-            {**self._envelope(True), "choices": [self._choice("", msg.finish_reason, None, True)]}
-        ]
-        if self.include_usage:
-            events.append({**self._envelope(True), "choices": [], "usage": self.usage()})
-        return events
+            if not finished:  # the client went away mid-stream, or a choice failed
+                self._abort(rids)
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -137,6 +137,7 @@ def hf_penalised(default_model):
 
 
 def test_presence_and_frequency_penalties_and_logit_bias(server, client, hf_greedy, hf_penalised):
+    at_pp2_only(server)  # PP=2: the new fields cross the wire to the sampling stage
     prompt = PROMPTS[1]  # code: plain greedy repeats tokens within 16
     banned = hf_greedy[prompt][0]
     expected = hf_penalised(prompt, 16, 0.5, 1.0, {banned: -100.0})
@@ -209,6 +210,42 @@ def test_logprobs_stop_strings_and_seeds(server, client):
     assert seeded[0].choices[0].text == seeded[1].choices[0].text
 
 
+def test_n_samples_and_a_list_of_prompts_are_one_answer(server, client):
+    at_pp2_only(server)
+    # n seeded samples: sample i draws from seed + i, so each equals a request of its own.
+    prompt = PROMPTS[2]
+    knobs = dict(model="smol", max_tokens=8, temperature=1.0)
+    together = client.completions.create(prompt=prompt, n=3, seed=11, **knobs)
+    alone = [client.completions.create(prompt=prompt, seed=11 + i, **knobs) for i in range(3)]
+    assert [c.index for c in together.choices] == [0, 1, 2]
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in together.choices}) > 1
+    assert together.usage.prompt_tokens == alone[0].usage.prompt_tokens  # the prompt once
+    assert together.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    # A list of prompts, n each: choice i is sample i % n of prompt i // n (vLLM's order).
+    pair = [PROMPTS[0], PROMPTS[1]]
+    both = client.completions.create(prompt=pair, n=2, **{**knobs, "temperature": 0})
+    single = [client.completions.create(prompt=p, **{**knobs, "temperature": 0}) for p in pair]
+    assert [c.text for c in both.choices] == [s.choices[0].text for s in single for _ in "ab"]
+    assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+
+
+def test_n_chat_samples_stream_by_index(server, client):
+    at_pp2_only(server)
+    knobs = dict(model="smol", messages=CHAT, max_tokens=12, temperature=1.0, seed=5, n=2)
+    whole = client.chat.completions.create(**knobs)
+    events = list(
+        client.chat.completions.create(**knobs, stream=True, stream_options={"include_usage": True})
+    )
+    roles = [e.choices[0].index for e in events if e.choices and e.choices[0].delta.role]
+    assert roles == [0, 1]  # each choice opens with the assistant's role
+    for choice in whole.choices:
+        mine = [e.choices[0] for e in events if e.choices and e.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert mine[-1].finish_reason == choice.finish_reason
+    assert events[-1].usage.model_dump() == whole.usage.model_dump()  # after both finished
+
+
 def test_models_health_tokenize_detokenize(server, client, default_model):
     assert [m.id for m in client.models.list().data] == ["smol"]
     assert httpx.get(f"{server.http_url}/health").status_code == 200
@@ -223,8 +260,12 @@ def test_models_health_tokenize_detokenize(server, client, default_model):
 def test_unsupported_and_unknown_get_openai_errors(server, client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model="smol", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 128\]"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, n=129)
+    with pytest.raises(openai.BadRequestError, match="3 prompts x n = 50 is 150 choices, over 128"):
+        client.completions.create(model="smol", prompt=["a", "b", "c"], max_tokens=2, n=50)
+    with pytest.raises(openai.BadRequestError, match="best_of must equal n"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, n=2, best_of=3)
     with pytest.raises(openai.BadRequestError, match="context length"):
         client.completions.create(model="smol", prompt="hi " * 9000, max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
@@ -311,9 +352,11 @@ def test_32_concurrent_streams_each_get_what_they_get_alone(server):
 
 @pytest.mark.timeout(120)
 def test_a_dropped_stream_is_aborted_and_the_counters_add_up(server):
+    # Two samples in one stream: dropping it aborts both requests in the ring.
     before = metrics(server)
     body = {"model": "smol", "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True, "n": 2}  # fmt: skip
+    finished = "ppring:request_success_total"
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as answer:
             events = 0
@@ -323,10 +366,7 @@ def test_a_dropped_stream_is_aborted_and_the_counters_add_up(server):
                     break
         dropped_at = time.monotonic()
         while time.monotonic() - dropped_at < 5:
-            now = metrics(server)
-            if counter(now, "ppring:request_success_total") > counter(
-                before, "ppring:request_success_total"
-            ):
+            if counter(metrics(server), finished) >= counter(before, finished) + 2:
                 break
             time.sleep(0.05)
         aborted_after = time.monotonic() - dropped_at
@@ -334,16 +374,16 @@ def test_a_dropped_stream_is_aborted_and_the_counters_add_up(server):
     after = metrics(server)
     assert aborted_after < 1.0
     key = 'ppring:request_success_total{"finished_reason": "abort", "model_name": "smol"}'
-    assert after[key] - before.get(key, 0.0) == 1
+    assert after[key] - before.get(key, 0.0) == 2
     assert counter(after, "ppring:num_requests_inflight") == 0
-    served = done.json()["usage"]
+    served = done.json()["usage"]  # its prompt counted once, its two samples' tokens
     prompt_delta = counter(after, "ppring:prompt_tokens_total") - counter(
         before, "ppring:prompt_tokens_total"
     )
     generated_delta = counter(after, "ppring:generation_tokens_total") - counter(
         before, "ppring:generation_tokens_total"
     )
-    assert prompt_delta == 2 * served["prompt_tokens"]  # the dropped request and this one
+    assert prompt_delta == 4 * served["prompt_tokens"]  # 2 + 2 requests in the ring
     assert generated_delta >= served["completion_tokens"] + 3
 
 
