@@ -65,6 +65,22 @@ class Completion:
     token_ids: list[int]
     done: Done
     logprobs: list[float] = field(default_factory=list)
+    # per token, with top_logprobs: {token id: logprob} of the most likely tokens at its step
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, chunks: list[Chunk], done: Done) -> Completion:
+        return cls(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            done=done,
+            logprobs=[lp for c in chunks for lp in (c.logprobs or [])],
+            top_logprobs=[
+                dict(zip(ids, lps))
+                for c in chunks
+                for ids, lps in zip(c.top_ids or [], c.top_logprobs or [])
+            ],
+        )
 
 
 def _build(
@@ -171,12 +187,7 @@ class Client(_ClientBase):
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         chunks = list(self.generate(prompt, **kwargs))
-        return Completion(
-            text="".join(c.text for c in chunks),
-            token_ids=[t for c in chunks for t in c.token_ids],
-            done=self.last_done,
-            logprobs=[lp for c in chunks for lp in (c.logprobs or [])],
-        )
+        return Completion.of(chunks, self.last_done)
 
     def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Completion:
         return self.complete(messages=messages, **kwargs)
@@ -251,12 +262,7 @@ class AsyncClient(_ClientBase):
                 done = msg
             else:
                 chunks.append(msg)
-        return Completion(
-            text="".join(c.text for c in chunks),
-            token_ids=[t for c in chunks for t in c.token_ids],
-            done=done,
-            logprobs=[lp for c in chunks for lp in (c.logprobs or [])],
-        )
+        return Completion.of(chunks, done)
 
     async def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Completion:
         return await self.complete(messages=messages, **kwargs)

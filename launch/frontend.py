@@ -392,7 +392,12 @@ class Frontend:
                 req.stopped_by_string = True
             # Every token is reported, even one with no visible text (an EOS, half a character).
             logprobs = [delta.logprob] if req.want_logprobs and delta.logprob is not None else None
-            await req.sink(Chunk(req.client_rid, text, [delta.token_id], logprobs))
+            top_ids = top_logprobs = None
+            if logprobs and delta.top_ids is not None and delta.top_logprobs is not None:
+                top_ids, top_logprobs = [delta.top_ids], [delta.top_logprobs]
+            await req.sink(
+                Chunk(req.client_rid, text, [delta.token_id], logprobs, top_ids, top_logprobs)
+            )
             if req.stopped_by_string:
                 self._to_ring(aborts=[delta.rid])
                 await self._finish(delta.rid, "stop", now)

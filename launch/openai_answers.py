@@ -25,6 +25,8 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)  # per token, with top_logprobs
+    top_logprobs: list[list[float]] = field(default_factory=list)
     done: Done | None = None
 
     @property
@@ -62,6 +64,8 @@ class AnswerShape:
             choice.text.append(msg.text)
             choice.token_ids += msg.token_ids
             choice.logprobs += msg.logprobs or []
+            choice.top_ids += msg.top_ids or []
+            choice.top_logprobs += msg.top_logprobs or []
         else:
             choice.done = msg
 
@@ -82,7 +86,7 @@ class AnswerShape:
     def whole(self) -> dict[str, Any]:
         choices = []
         for index, c in enumerate(self.choices):
-            logprobs = self._logprobs(c.token_ids, c.logprobs)
+            logprobs = self._logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs)
             finish = c.done.finish_reason if c.done else None
             choices.append(self._choice(index, "".join(c.text), finish, logprobs, chunk=False))
         return {**self._envelope(False), "choices": choices, "usage": self.usage()}
@@ -110,7 +114,9 @@ class AnswerShape:
         if isinstance(msg, Chunk):
             if not msg.text and not (self.want_logprobs and msg.logprobs):
                 return []  # a token with no visible text yet: nothing to show
-            logprobs = self._logprobs(msg.token_ids, msg.logprobs or [])
+            logprobs = self._logprobs(
+                msg.token_ids, msg.logprobs or [], msg.top_ids or [], msg.top_logprobs or []
+            )
             choice = self._choice(index, msg.text, None, logprobs, chunk=True)
             return [{**self._envelope(True), "choices": [choice]}]
         choice = self._choice(index, "", msg.finish_reason, None, chunk=True)
@@ -126,17 +132,32 @@ class AnswerShape:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+    def _logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        top_ids: list[list[int]],
+        top_logprobs: list[list[float]],
+    ) -> dict | None:
+        """OpenAI's logprobs object of some tokens; top_ids and top_logprobs: per token, the
+        most likely tokens at its step (empty lists when the request asked for none)."""
         if not self.want_logprobs or not logprobs:
             return None
         tokens = [self.token_text(t) for t in token_ids]
+        tops = [
+            [(self.token_text(t), lp) for t, lp in zip(ids, lps)]
+            for ids, lps in zip(top_ids, top_logprobs)
+        ] or [[] for _ in tokens]
         if self.chat:
             content = [
-                {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                for t, lp in zip(tokens, logprobs)
-            ]
+                {"token": t, "logprob": lp, "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                  for a, alp in top]}
+                for t, lp, top in zip(tokens, logprobs, tops)
+            ]  # fmt: skip
             return {"content": content}
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None,
+        top_maps = [dict(top) for top in tops] if top_ids else None
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps,
                 "text_offset": None}  # fmt: skip
 
     def _choice(

@@ -10,7 +10,7 @@ The request bodies follow OpenAI's (`presence_penalty`, `frequency_penalty` and 
 included), with vLLM's extensions a user of vLLM sends (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`). `n` samples of a prompt (and /v1/completions' list of
 prompts) are that many requests in the ring, answered as one (launch/openai_answers.py).
-Anything else, or a value this engine cannot honour (tools, top alternatives in logprobs), is
+Anything else, or a value this engine cannot honour (tools, a response format), is
 refused with an OpenAI-shaped error and the status a client expects, never a 500.
 """
 
@@ -36,7 +36,7 @@ from launch.metrics import CONTENT_TYPE, FrontendMetrics
 from launch.openai_answers import AnswerShape
 from protocol.errors import ProtocolError
 from protocol.messages import ChatMessage, Chunk, Done, Error, Generate
-from protocol.sampling import MAX_SEED, SamplingParams
+from protocol.sampling import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -138,13 +138,17 @@ def _unsupported(req: _Common) -> str | None:
             ),
             (req.suffix is not None, "suffix is not supported"),
             (
-                req.logprobs not in (None, 0),
-                "logprobs takes 0: the sampled tokens' logprobs, without top alternatives",
-            ),  # fmt: skip
+                req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS,
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
         ]
     else:
         checks += [
-            (req.top_logprobs not in (None, 0), "top_logprobs must be 0: no top alternatives"),
+            (
+                req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS,
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            (bool(req.top_logprobs) and not req.logprobs, "top_logprobs needs logprobs: true"),
             (bool(req.tools), "tools are not supported"),
             (
                 req.response_format not in (None, {"type": "text"}),
@@ -321,6 +325,10 @@ class OpenAIRoutes:
                 raise ValueError(f"the prompt ({len(input_ids)} tokens) fills the context")
             max_tokens = room
         logprobs = req.logprobs is not None and req.logprobs is not False
+        if isinstance(req, CompletionRequest):
+            top_logprobs = req.logprobs or 0  # legacy completions: logprobs is the count
+        else:
+            top_logprobs = req.top_logprobs or 0
         sampling = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=req.temperature,
@@ -335,6 +343,7 @@ class OpenAIRoutes:
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=bool(logprobs),
+            top_logprobs=top_logprobs,
         )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return Generate(rid="http", input_ids=input_ids, sampling=sampling, stop=stop)

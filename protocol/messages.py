@@ -87,6 +87,9 @@ class Output:
     token_ids: list[int]  # one per sampled row, in batch order
     logprobs: list[float] | None = None
     epoch: int = 0
+    # per sampled row, its top_logprobs alternatives (stages/batch.py SampleResult)
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,9 @@ class RequestDelta:
     logprob: float | None
     finish_reason: str  # "" while the request goes on
     error: str = ""  # why, when finish_reason is "error"
+    # the new token's step's most likely tokens and their logprobs, when the request asked
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason and self.finish_reason not in FINISH_REASONS:
@@ -352,6 +358,9 @@ class Chunk:
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
+    # per token: the most likely tokens at its step and their logprobs (top_logprobs asked)
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from protocol.errors import ProtocolError
 MAX_SEED = 2**63 - 1
 MAX_STOP_ENTRIES = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20  # vLLM's default cap (max_logprobs), OpenAI's for chat
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    # with logprobs: also the this many most likely tokens' logprobs at each step
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
@@ -63,6 +66,9 @@ class SamplingParams:
             raise ProtocolError("ignore_eos must be a bool")
         if not isinstance(self.logprobs, bool):
             raise ProtocolError("logprobs must be a bool")
+        _check_int("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs")
 
     @property
     def is_greedy(self) -> bool:

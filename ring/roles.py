@@ -294,7 +294,10 @@ class ShareTail:
 
 def output_of(batch: Batch, result: SampleResult, epoch: int) -> Output:
     """The `output` message of a step's sampled tokens, wherever they were sampled."""
-    return Output(batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs, epoch)
+    return Output(
+        batch.slot, batch.step, batch.digest, result.token_ids, result.logprobs, epoch,
+        result.top_ids, result.top_logprobs,
+    )  # fmt: skip
 
 
 def sampling_args(batch: Batch) -> dict[str, Any]:

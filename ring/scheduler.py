@@ -182,9 +182,18 @@ class Scheduler:
                 f"output of step {output.step} has {len(output.token_ids)} tokens for "
                 f"{len(sampled)} sampled requests"
             )
+        for name in ("logprobs", "top_ids", "top_logprobs"):
+            values = getattr(output, name)
+            if values is not None and len(values) != len(sampled):
+                raise DivergenceError(
+                    f"output of step {output.step} has {len(values)} {name} for "
+                    f"{len(sampled)} sampled requests"
+                )
         deltas = []
         for i, (req, token_id) in enumerate(zip(sampled, output.token_ids)):
             logprob = output.logprobs[i] if output.logprobs is not None else None
+            top = output.top_ids[i] if output.top_ids is not None else None
+            top_lp = output.top_logprobs[i] if output.top_logprobs is not None else None
             if req.abort_requested:
                 deltas.append(self._finish(req, "abort"))
                 continue
@@ -192,7 +201,11 @@ class Scheduler:
             reason = self._finish_reason(req, token_id)
             if reason:
                 self._finish(req, reason)
-            deltas.append(RequestDelta(req.rid, token_id, logprob, reason or ""))
+            deltas.append(
+                RequestDelta(
+                    req.rid, token_id, logprob, reason or "", "", top or None, top_lp or None
+                )
+            )
         return deltas
 
     # -- queries ------------------------------------------------------------------------------

@@ -55,6 +55,10 @@ class SampleResult:
     # Log-probability of each chosen token under the raw model distribution (before penalties,
     # temperature and filters, as vLLM and SGLang report by default); None when no chunk asked.
     logprobs: list[float] | None = None
+    # The top_logprobs most likely tokens of each sampled row and their raw logprobs, best
+    # first ([] for a row that asked for none); None when no row asked.
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
     # A `stages.contract.Sample` that is ready at once: the loop treats these and tokens still
     # on their way from a device alike.

@@ -11,7 +11,8 @@ exactly from p. A seeded request draws its E from its own generator, seeded from
 position), so it gets the same tokens whatever else is in the batch and on every stage layout.
 
 Logprobs are of the chosen token under the raw model distribution (log_softmax of the logits
-before penalty, temperature and filters), which is what vLLM and SGLang return by default.
+before penalty, temperature and filters), which is what vLLM and SGLang return by default; so are
+the top_logprobs most likely tokens a request may ask for besides.
 """
 
 from __future__ import annotations
@@ -53,11 +54,21 @@ def sample(
             [positions[i] for i in rows],
         )
         tokens.index_copy_(0, row_index, sampled)
-    logprobs = None
-    if any(p.logprobs for p in params):
-        chosen = raw.log_softmax(dim=-1).gather(1, tokens[:, None])  # [N, 1]
-        logprobs = chosen.squeeze(1).tolist()
-    return SampleResult(token_ids=tokens.tolist(), logprobs=logprobs)
+    if not any(p.logprobs for p in params):
+        return SampleResult(token_ids=tokens.tolist())
+    log_probs = raw.log_softmax(dim=-1)  # [N, V]
+    logprobs = log_probs.gather(1, tokens[:, None]).squeeze(1).tolist()  # [N]
+    top_k = [p.top_logprobs for p in params]
+    if not any(top_k):
+        return SampleResult(token_ids=tokens.tolist(), logprobs=logprobs)
+    top_values, top_index = log_probs.topk(min(max(top_k), log_probs.shape[1]), dim=-1)  # [N, k]
+    values, index = top_values.tolist(), top_index.tolist()
+    return SampleResult(
+        token_ids=tokens.tolist(),
+        logprobs=logprobs,
+        top_ids=[row[:k] for row, k in zip(index, top_k)],
+        top_logprobs=[row[:k] for row, k in zip(values, top_k)],
+    )
 
 
 def _apply_penalties(

@@ -246,6 +246,40 @@ def test_n_chat_samples_stream_by_index(server, client):
     assert events[-1].usage.model_dump() == whole.usage.model_dump()  # after both finished
 
 
+def test_top_logprobs_native_completions_and_chat(server, client):
+    at_pp2_only(server)  # PP=2: the alternatives travel from the last stage round the ring
+    prompt = PROMPTS[3]
+    ring = asyncio.run(
+        native(server.addr, prompt=prompt, max_new_tokens=6, temperature=0, logprobs=True,
+               top_logprobs=3)
+    )  # fmt: skip
+    assert len(ring.top_logprobs) == len(ring.token_ids) == 6
+    for token, logprob, top in zip(ring.token_ids, ring.logprobs, ring.top_logprobs):
+        assert len(top) == 3 and list(top)[0] == token  # greedy: the chosen one is the best
+        assert top[token] == pytest.approx(logprob)
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+    texts = [{client_text(server, t): lp for t, lp in top.items()} for top in ring.top_logprobs]
+    got = client.completions.create(
+        model="smol", prompt=prompt, max_tokens=6, temperature=0, logprobs=3
+    )
+    assert got.choices[0].logprobs.top_logprobs == [pytest.approx(t) for t in texts]
+    chat = client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    for item in chat.choices[0].logprobs.content:
+        assert [a.token for a in item.top_logprobs][0] == item.token
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert len(item.top_logprobs) == 2 and bytes(item.bytes).decode() == item.token
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model="smol", messages=CHAT, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match=r"logprobs must be in \[0, 20\]"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, logprobs=21)
+
+
+def client_text(server, token_id: int) -> str:
+    return httpx.post(f"{server.http_url}/detokenize", json={"tokens": [token_id]}).json()["prompt"]
+
+
 def test_models_health_tokenize_detokenize(server, client, default_model):
     assert [m.id for m in client.models.list().data] == ["smol"]
     assert httpx.get(f"{server.http_url}/health").status_code == 200

@@ -69,6 +69,7 @@ def sample_messages() -> list:
         stop_token_ids=[2, 3],
         ignore_eos=True,
         logprobs=True,
+        top_logprobs=5,
     )
     return [
         Reqs(
@@ -86,6 +87,16 @@ def sample_messages() -> list:
             residual=torch.randn(5, 8),
         ),
         Output(slot=3, step=11, digest="d2", token_ids=[4, 5], logprobs=[-0.5, -1.25]),
+        Output(
+            slot=3,
+            step=12,
+            digest="d3",
+            token_ids=[4, 5],
+            logprobs=[-0.5, -1.25],
+            epoch=2,
+            top_ids=[[4, 9], []],
+            top_logprobs=[[-0.5, -1.5], []],
+        ),
         Output(slot=0, step=0, digest="", token_ids=[]),
         Share(
             slot=1,
@@ -136,6 +147,7 @@ def sample_messages() -> list:
             step=4,
             deltas=[
                 RequestDelta(rid="a", token_id=5, logprob=-0.5, finish_reason=""),
+                RequestDelta("c", 5, -0.5, "", "", top_ids=[5, 1], top_logprobs=[-0.5, -2.0]),
                 RequestDelta(
                     rid="b", token_id=None, logprob=None, finish_reason="error", error="x"
                 ),
@@ -148,6 +160,7 @@ def sample_messages() -> list:
         Ping(rid="p1"),
         Pong(rid="p1"),
         Chunk(rid="g1", text="wörld", token_ids=[7, 8], logprobs=[-0.1, -0.2]),
+        Chunk("g1", "!", [7], [-0.1], top_ids=[[7, 3, 2]], top_logprobs=[[-0.1, -3.0, -4.5]]),
         Done(
             rid="g1",
             finish_reason="length",

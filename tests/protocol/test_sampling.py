@@ -45,6 +45,9 @@ def test_defaults_are_valid_and_greedy_is_temperature_zero():
         ("stop_token_ids", "1", "list"),
         ("ignore_eos", 1, "bool"),
         ("logprobs", "yes", "bool"),
+        ("top_logprobs", 21, "top_logprobs must be at most 20"),
+        ("top_logprobs", -1, "top_logprobs must be at least 0"),
+        ("top_logprobs", 2.0, "top_logprobs must be an integer"),
     ],
 )
 def test_out_of_range_values_are_one_clear_error(field, value, words):
@@ -64,3 +67,9 @@ def test_what_reads_the_history_and_what_moves_the_logits():
     biased = SamplingParams(logit_bias={"0": -1.0, "49151": 5})
     assert not biased.needs_history and biased.changes_logits
     assert biased.logit_bias_ids() == {0: -1.0, 49151: 5}
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(ProtocolError, match="top_logprobs needs logprobs"):
+        SamplingParams(top_logprobs=3)
+    assert SamplingParams(logprobs=True, top_logprobs=20).top_logprobs == 20

@@ -75,6 +75,32 @@ def test_an_output_with_the_wrong_digest_is_a_divergence():
     assert batch.entries
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"logprobs": [-1.0, -2.0]}, {"top_ids": []}, {"top_logprobs": [[-1.0], [-2.0]]}],
+)
+def test_an_output_whose_per_row_lists_miss_rows_is_a_divergence(extra):
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=100)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", 3)]))
+    batch, _ = sched.decide(0, 0)
+    with pytest.raises(DivergenceError, match="for 1 sampled requests"):
+        sched.apply_output(Output(0, 0, batch.digest, token_ids=[5], **extra))
+
+
+def test_an_output_carries_each_rows_top_logprobs_to_its_delta():
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=100)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", 3), new("b", 3)]))
+    batch, _ = sched.decide(0, 0)
+    assert len(batch.sampled) == 2
+    output = Output(
+        0, 0, batch.digest, [5, 6], [-0.5, -0.7], top_ids=[[5, 9], []],
+        top_logprobs=[[-0.5, -1.0], []],
+    )  # fmt: skip
+    deltas = {d.rid: d for d in sched.apply_output(output)}
+    assert (deltas["a"].top_ids, deltas["a"].top_logprobs) == ([5, 9], [-0.5, -1.0])
+    assert (deltas["b"].top_ids, deltas["b"].top_logprobs) == (None, None)
+
+
 def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_flowing():
     cfg = RingConfig(chunked_prefill_size=16)
     sched = Scheduler(cfg, num_kv_blocks=100, context_length=1000)

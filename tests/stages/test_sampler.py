@@ -220,3 +220,23 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 def test_mismatched_lengths_fail() -> None:
     with pytest.raises(ValueError):
         sample(make_logits(2), [GREEDY], positions=[0])
+
+
+def test_top_logprobs_are_the_raw_distributions_best_per_row() -> None:
+    logits = make_logits(3, seed=14)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=4),
+        SamplingParams(temperature=0.0, logprobs=True),  # the chosen token's only
+        SamplingParams(temperature=1.0, seed=2, logprobs=True, top_logprobs=1, min_p=0.5),
+    ]
+    out = sample(logits, params, positions=[0, 0, 0])
+    raw = logits.log_softmax(-1)
+    best = raw.topk(4, dim=-1)
+    assert out.top_ids is not None and out.top_logprobs is not None
+    assert out.top_ids[0] == best.indices[0].tolist()
+    assert out.top_logprobs[0] == pytest.approx(best.values[0].tolist(), abs=1e-6)
+    assert out.top_ids[1] == [] and out.top_logprobs[1] == []
+    assert out.top_ids[2] == [best.indices[2, 0].item()]  # of the raw distribution, not min_p's
+    assert out.top_ids[0][0] == out.token_ids[0]  # greedy: the chosen token is the best
+    assert out.top_logprobs[0][0] == pytest.approx(out.logprobs[0], abs=1e-6)
+    assert sample(logits[:1], [params[1]], [0]).top_ids is None  # nobody asked: nothing
