@@ -29,6 +29,9 @@ from protocol.curve import NodeKeys
 from ring.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, RingAddresses
 from stages.batch import BLOCK_SIZE
 
+# The API key for --api-key, from the environment (a command line shows in `ps`).
+API_KEY_ENV = "PPRING_API_KEY"
+
 logger = logging.getLogger("ppring")
 
 SUPERVISE_INTERVAL_S = 0.5
@@ -74,6 +77,12 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="the model's name in the API (default: the "
         "model folder's name)",
     )  # fmt: skip
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help="the API's routes but /health and /metrics need `Authorization: Bearer KEY` "
+        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list; none: open)",
+    )
 
 
 def add_restart_args(parser: argparse.ArgumentParser) -> None:
@@ -359,7 +368,7 @@ def _open_frontend(
 
     try:
         return frontend, HttpServer(
-            build_app(frontend, model_name, metrics), args.host, args.http_port
+            build_app(frontend, model_name, metrics, args.api_key), args.host, args.http_port
         )
     except OSError:
         frontend.close()

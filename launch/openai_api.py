@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -161,9 +162,14 @@ def _unsupported(req: _Common) -> str | None:
 # -- the app -----------------------------------------------------------------------------------
 
 
-def build_app(frontend: Frontend, model_name: str, metrics: FrontendMetrics) -> FastAPI:
+def build_app(
+    frontend: Frontend, model_name: str, metrics: FrontendMetrics, api_key: str | None = None
+) -> FastAPI:
+    """The API's routes. With `api_key`, every route but /health and /metrics (a load
+    balancer's and Prometheus' probes, open as in vLLM) needs `Authorization: Bearer KEY`."""
     app = FastAPI(title="ppring", docs_url=None, redoc_url=None, openapi_url=None)
     api = OpenAIRoutes(frontend, model_name, metrics)
+    guarded = [Depends(bearer_check(api_key))] if api_key else []
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -174,14 +180,30 @@ def build_app(frontend: Frontend, model_name: str, metrics: FrontendMetrics) -> 
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, f"internal error ({type(exc).__name__})", "internal_error")
 
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
-    app.get("/v1/models")(api.models)
+    app.post("/v1/completions", dependencies=guarded)(api.completions)
+    app.post("/v1/chat/completions", dependencies=guarded)(api.chat_completions)
+    app.get("/v1/models", dependencies=guarded)(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics_text)
-    app.post("/tokenize")(api.tokenize)
-    app.post("/detokenize")(api.detokenize)
+    app.post("/tokenize", dependencies=guarded)(api.tokenize)
+    app.post("/detokenize", dependencies=guarded)(api.detokenize)
     return app
+
+
+def bearer_check(api_key: str):
+    """A route dependency: the request's bearer token must be `api_key` (the scheme's case is
+    free, RFC 7235; the token compared in constant time, so a wrong key's timing says nothing
+    of the right one)."""
+    expected = api_key.encode()
+
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected):
+            raise ApiError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error"
+            )
+
+    return check
 
 
 class OpenAIRoutes:

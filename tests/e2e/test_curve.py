@@ -1,7 +1,8 @@
 """`ppring local --curve-dir`: the client socket and the ring links under CURVE, on loopback,
 with simulated stages (the three-host test in test_serve.py runs the real model across
 namespaces). A known client is served; a client with no key or an unknown key is refused at
-the ZeroMQ level, fails fast, and is logged once with its address; the ring keeps serving."""
+the ZeroMQ level, fails fast, and is logged once with its address; the ring keeps serving.
+The same ring's HTTP API runs with --api-key: a request without the key is a 401."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import zmq
 
@@ -20,6 +22,7 @@ from protocol.curve import CurveClient, client_keys, keygen, load_pair
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 SIM = ["--stage-impl", "sim", "--sim-t0-ms", "1"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+API_KEY = "sk-ring-key"
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,9 @@ def keys(tmp_path_factory):
 
 
 def test_a_curve_ring_serves_its_clients_and_refuses_the_others(start_local, keys):
-    server = start_local("--pp-size", "2", *SIM, "--curve-dir", str(keys / "ring"))
+    server = start_local(
+        "--pp-size", "2", *SIM, "--curve-dir", str(keys / "ring"), "--api-key", API_KEY
+    )  # fmt: skip
     alice = client_keys(keys / "ring" / "node0.key", keys / "ring" / "clients" / "alice.key_secret")
     with Client(server.addr, security=alice) as client:
         first = client.complete("hello", max_new_tokens=4, temperature=0)
@@ -68,6 +73,17 @@ def test_a_curve_ring_serves_its_clients_and_refuses_the_others(start_local, key
     assert len(unknown) == 1
     assert "refused a clients connection from 127.0.0.1" in unknown[0]
     assert mallory.pair.public.decode() in unknown[0]
+
+    body = {"model": "ring", "prompt": "hi", "max_tokens": 2}
+    anonymous = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=30)
+    assert anonymous.status_code == 401
+    assert httpx.get(f"{server.http_url}/health", timeout=30).status_code == 200
+    bearer = {"Authorization": f"Bearer {API_KEY}"}
+    models = httpx.get(f"{server.http_url}/v1/models", headers=bearer, timeout=30).json()
+    body["model"] = models["data"][0]["id"]
+    served = httpx.post(f"{server.http_url}/v1/completions", json=body, headers=bearer, timeout=30)
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    assert API_KEY not in server.log_text() and API_KEY.encode() not in server.stdout
 
 
 def test_missing_keys_are_one_sentence_before_anything_starts(tmp_path):

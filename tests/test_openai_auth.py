@@ -1,0 +1,80 @@
+"""--api-key: the API's routes need the bearer key, /health and /metrics stay open; checked on
+the app itself with a stand-in frontend (no ring: auth is decided before a route runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from launch.local import API_KEY_ENV, add_http_args
+from launch.metrics import FrontendMetrics
+from launch.openai_api import build_app
+
+KEY = "sk-test-0123456789"
+
+
+def frontend() -> SimpleNamespace:
+    """What /v1/models and /health read of a Frontend, ring up."""
+    ready = threading.Event()
+    ready.set()
+    return SimpleNamespace(context_length=8192, ring_error=None, ring_ready=ready)
+
+
+def call(app, method: str, path: str, headers: dict[str, str] | None = None, **kw):
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as c:
+            return await c.request(method, path, headers=headers or {}, **kw)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY} "}],
+)  # fmt: skip
+def test_without_the_key_every_api_route_is_401(headers):
+    app = build_app(frontend(), "smol", FrontendMetrics("smol"), api_key=KEY)
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                         ("POST", "/detokenize")]:  # fmt: skip
+        answer = call(app, method, path, headers, json={"model": "smol", "prompt": "hi"})
+        assert answer.status_code == 401, path
+        error = answer.json()["error"]
+        assert error["type"] == "authentication_error" and "Bearer" in error["message"]
+        assert KEY not in answer.text
+
+
+def test_with_the_key_routes_answer_and_health_and_metrics_stay_open():
+    app = build_app(frontend(), "smol", FrontendMetrics("smol"), api_key=KEY)
+    models = call(app, "GET", "/v1/models", {"Authorization": f"Bearer {KEY}"})
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "smol"
+    assert call(app, "GET", "/v1/models", {"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert call(app, "GET", "/health").status_code == 200
+    assert call(app, "GET", "/metrics").status_code == 200
+
+
+def test_without_a_key_the_api_is_open():
+    app = build_app(frontend(), "smol", FrontendMetrics("smol"))
+    assert call(app, "GET", "/v1/models").status_code == 200
+
+
+def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    import argparse
+
+    def parse(argv: list[str]) -> str | None:
+        parser = argparse.ArgumentParser()
+        add_http_args(parser)
+        return parser.parse_args(argv).api_key
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert parse([]) is None
+    assert parse(["--api-key", KEY]) == KEY
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert parse([]) == "from-env"
+    assert parse(["--api-key", KEY]) == KEY
