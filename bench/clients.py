@@ -63,15 +63,18 @@ class NativeBackend:
 class OpenAIBackend:
     """`POST /v1/completions` with `stream: true` on an OpenAI-compatible server."""
 
-    def __init__(self, base_url: str, model: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def __aenter__(self) -> OpenAIBackend:
         import httpx
 
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=600, limits=limits)
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=600, limits=limits, headers=self.headers
+        )
         if self.model is None:
             models = (await self.http.get("/models")).raise_for_status().json()
             self.model = models["data"][0]["id"]

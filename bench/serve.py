@@ -136,6 +136,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--served-model", default=None, help="with --base-url (default: the first of /v1/models)"
     )
     parser.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="with --base-url: sent as "
+        "`Authorization: Bearer KEY` (default: $OPENAI_API_KEY, as OpenAI's clients read it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-steps", type=Path, default=None, help="each ring's stages write one JSON line "
+        "per step under DIR/pp<N> (ppring local --trace-steps)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-memory-gib", type=float, default=None, help="KV budget per stage (ppring local's)"
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the rings' logs here")
@@ -235,6 +243,8 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
         cmd += ["--split-lm-head", args.split_lm_head]
     if args.kv_memory_gib is not None:
         cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
+    if args.trace_steps is not None:
+        cmd += ["--trace-steps", str(args.trace_steps / f"pp{pp_size}")]
     (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
@@ -365,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with _log_dir(args.log_dir) as logs:
         if args.base_url:  # someone else's server: no ring of ours
-            target = Target(f"openai {args.base_url}", None, args.base_url, args.served_model)
+            target = Target(
+                f"openai {args.base_url}", None, args.base_url, args.served_model, args.api_key
+            )
             _sweep(args, [target], workload, points)
         for pp_size in [] if args.base_url else args.pp_sizes:
             with local_ring(args, model_dir, pp_size, logs) as (addr, http_url):
@@ -468,10 +480,11 @@ class Target:
     addr: str | None
     http_url: str | None  # ".../v1": requests go over HTTP
     model: str | None = None
+    api_key: str | None = None  # --base-url's: someone else's server may want one
 
     def backend(self) -> NativeBackend | OpenAIBackend:
         if self.http_url is not None:
-            return OpenAIBackend(self.http_url, self.model)
+            return OpenAIBackend(self.http_url, self.model, self.api_key)
         return NativeBackend(self.addr)
 
 

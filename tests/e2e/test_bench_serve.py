@@ -31,7 +31,7 @@ def test_bench_serve_runs_every_layout_and_the_baseline(default_model, tmp_path)
         [
             "--model", str(model), "--pp-sizes", "1,2", "--num-requests", "6",
             "--concurrency", "3", "--prompt-tokens", "8,64", "--output-tokens", "4,12",
-            "--rates", "20", "--out", str(out),
+            "--rates", "20", "--out", str(out), "--trace-steps", str(tmp_path / "trace"),
         ]
     )  # fmt: skip
     assert code == 0
@@ -46,6 +46,11 @@ def test_bench_serve_runs_every_layout_and_the_baseline(default_model, tmp_path)
     assert set(result["headline"]["vs_hf_generate"]) == {"PP=1", "PP=2"}
     assert all(len(records) == 6 for records in result["requests"].values())
     assert (out / "bench_serve.png").read_bytes()[:4] == b"\x89PNG"
+    for pp_size in (1, 2):  # --trace-steps reached every stage of each ring
+        traces = sorted((tmp_path / "trace" / f"pp{pp_size}").glob("stage*.jsonl"))
+        assert [t.name.split("-")[0] for t in traces] == [f"stage{r}" for r in range(pp_size)]
+        steps = [json.loads(line) for line in traces[0].read_text().splitlines()]
+        assert sum(s["tokens"] for s in steps) > 0
 
 
 @pytest.mark.timeout(300)
