@@ -22,6 +22,7 @@ class ChoiceState:
     """What one choice has received so far."""
 
     num_prompt_tokens: int  # as tokenized here; its Done's count wins once it arrives
+    echo: str = ""  # the prompt's text, before the answer's (completions' `echo`)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -58,6 +59,11 @@ class AnswerShape:
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
         self.choices = [ChoiceState(count) for count in num_prompt_tokens]
 
+    def echo(self, prompt_texts: list[str]) -> None:
+        """Start each choice's text with its prompt's (one per prompt, n choices each)."""
+        for index, choice in enumerate(self.choices):
+            choice.echo = prompt_texts[index // self.n]
+
     def add(self, index: int, msg: Chunk | Done) -> None:
         choice = self.choices[index]
         if isinstance(msg, Chunk):
@@ -88,11 +94,19 @@ class AnswerShape:
         for index, c in enumerate(self.choices):
             logprobs = self._logprobs(c.token_ids, c.logprobs, c.top_ids, c.top_logprobs)
             finish = c.done.finish_reason if c.done else None
-            choices.append(self._choice(index, "".join(c.text), finish, logprobs, chunk=False))
+            text = c.echo + "".join(c.text)
+            choices.append(self._choice(index, text, finish, logprobs, chunk=False))
         return {**self._envelope(False), "choices": choices, "usage": self.usage()}
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """A chat stream opens each choice with the assistant's role, as OpenAI's does."""
+        """A chat stream opens each choice with the assistant's role, as OpenAI's does; a
+        completion stream with echo, each choice with its prompt."""
+        if not self.chat:
+            return [
+                {**self._envelope(True), "choices": [self._choice(i, c.echo, None, None, True)]}
+                for i, c in enumerate(self.choices)
+                if c.echo
+            ]
         return [
             {
                 **self._envelope(True),

@@ -132,7 +132,10 @@ def _unsupported(req: _Common) -> str | None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            (req.echo, "echo is not supported"),
+            (
+                req.echo and req.logprobs is not None,
+                "echo with logprobs needs the prompt's logprobs, which are not computed here",
+            ),
             (
                 req.best_of not in (None, req.n),
                 "best_of must equal n: choices are not ranked here",
@@ -324,6 +327,8 @@ class OpenAIRoutes:
             chat, self.model_name, req.n, num_prompt_tokens, want_logprobs, include_usage,
             self._token_text,
         )  # fmt: skip
+        if isinstance(req, CompletionRequest) and req.echo:
+            shape.echo([self._prompt_text(gen, ids) for gen, ids in zip(gens, prompt_ids)])
         if req.stream:
             stream = self._stream(rids, answers, shape)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -370,6 +375,12 @@ class OpenAIRoutes:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         return Generate(rid="http", input_ids=input_ids, sampling=sampling, stop=stop)
 
+    def _prompt_text(self, gen: Generate, input_ids: list[int]) -> str:
+        """A prompt as echo repeats it: as sent, or its token ids decoded."""
+        if gen.prompt is not None:
+            return gen.prompt
+        return self.frontend.tokenizer.decode(input_ids)
+
     def _token_text(self, token_id: int) -> str:
         return self.frontend.tokenizer.decode([token_id])
 
@@ -409,9 +420,8 @@ class OpenAIRoutes:
     ) -> AsyncIterator[str]:
         finished = False
         try:
-            if shape.chat:
-                for event in shape.first_chunks():
-                    yield _sse(event)
+            for event in shape.first_chunks():
+                yield _sse(event)
             while not shape.all_done:
                 index, msg = await answers.get()
                 if isinstance(msg, Error):

@@ -228,6 +228,17 @@ def test_n_samples_and_a_list_of_prompts_are_one_answer(server, client):
     single = [client.completions.create(prompt=p, **{**knobs, "temperature": 0}) for p in pair]
     assert [c.text for c in both.choices] == [s.choices[0].text for s in single for _ in "ab"]
     assert both.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    # echo: each choice's text starts with its prompt, as sent or its token ids decoded.
+    ids = httpx.post(f"{server.http_url}/tokenize", json={"prompt": pair[1]}).json()["tokens"]
+    echoed = dict(prompt=[pair[0]], n=2, echo=True, **{**knobs, "temperature": 0})
+    whole = client.completions.create(**echoed)
+    assert [c.text for c in whole.choices] == [pair[0] + single[0].choices[0].text] * 2
+    by_ids = client.completions.create(**{**echoed, "prompt": ids, "n": 1})
+    assert by_ids.choices[0].text == pair[1] + single[1].choices[0].text
+    events = list(client.completions.create(**echoed, stream=True))
+    for index in (0, 1):
+        text = "".join(e.choices[0].text for e in events if e.choices[0].index == index)
+        assert text == whole.choices[index].text
 
 
 def test_n_chat_samples_stream_by_index(server, client):
@@ -298,6 +309,8 @@ def test_unsupported_and_unknown_get_openai_errors(server, client):
         client.completions.create(model="smol", prompt="hi", max_tokens=2, n=129)
     with pytest.raises(openai.BadRequestError, match="3 prompts x n = 50 is 150 choices, over 128"):
         client.completions.create(model="smol", prompt=["a", "b", "c"], max_tokens=2, n=50)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs needs the prompt's"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2, echo=True, logprobs=0)
     with pytest.raises(openai.BadRequestError, match="best_of must equal n"):
         client.completions.create(model="smol", prompt="hi", max_tokens=2, n=2, best_of=3)
     with pytest.raises(openai.BadRequestError, match="context length"):
