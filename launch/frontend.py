@@ -85,14 +85,15 @@ class Inflight:
 
     def replay(self, rid: str) -> NewRequest | None:
         """The request as a re-formed ring must see it so that it continues where it stopped:
-        its prompt plus the tokens already sent as the prompt, the rest of max_new_tokens, the
-        same sampling (a seeded draw depends on (seed, position) only, so it repeats). None:
-        nothing is left to generate."""
+        its prompt plus the tokens already sent as the prompt (marked as generated, for the
+        penalties that count the output), the rest of max_new_tokens, the same sampling (a
+        seeded draw depends on (seed, position) only, so it repeats). None: nothing is left to
+        generate."""
         remaining = self.sampling.max_new_tokens - self.num_tokens
         if remaining <= 0:
             return None
         sampling = dataclasses.replace(self.sampling, max_new_tokens=remaining)
-        return NewRequest(rid, self.input_ids + self.token_ids, sampling)
+        return NewRequest(rid, self.input_ids + self.token_ids, sampling, len(self.token_ids))
 
 
 class Frontend:

@@ -79,10 +79,23 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV) or None,
+        type=api_key,
+        default=os.environ.get(API_KEY_ENV),
         help="the API's routes but /health and /metrics need `Authorization: Bearer KEY` "
         f"(default: ${API_KEY_ENV}, which keeps the key out of the process list; none: open)",
     )
+
+
+def api_key(value: str) -> str:
+    """--api-key's check: an empty key would leave the API open unnoticed, and a header holds
+    printable ASCII only (a key the client can send at all)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"the API key is empty (--api-key or ${API_KEY_ENV})")
+    if not (value.isascii() and value.isprintable()) or value != value.strip():
+        raise argparse.ArgumentTypeError(
+            "the API key must be printable ASCII without surrounding spaces"
+        )
+    return value
 
 
 def add_restart_args(parser: argparse.ArgumentParser) -> None:

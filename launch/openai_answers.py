@@ -170,7 +170,8 @@ class AnswerShape:
                 for t, lp, top in zip(tokens, logprobs, tops)
             ]  # fmt: skip
             return {"content": content}
-        top_maps = [dict(top) for top in tops] if top_ids else None
+        # OpenAI's legacy shape, as vLLM's: the k best and the sampled token, k + 1 at most
+        top_maps = [{**dict(top), t: lp} for t, lp, top in zip(tokens, logprobs, tops)]
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top_maps,
                 "text_offset": None}  # fmt: skip
 

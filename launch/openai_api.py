@@ -176,7 +176,10 @@ def build_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind)
+        answer = error_response(exc.status, exc.message, exc.kind)
+        if exc.status == 401:
+            answer.headers["WWW-Authenticate"] = "Bearer"
+        return answer
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -204,7 +207,7 @@ def bearer_check(api_key: str):
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), expected):
             raise ApiError(
                 401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error"
-            )
+            )  # the exception handler adds WWW-Authenticate (RFC 6750)
 
     return check
 
@@ -317,9 +320,11 @@ class OpenAIRoutes:
 
             try:
                 await self.frontend.submit(rid, gen, sink)
-            except ProtocolError as exc:
+            except BaseException as exc:  # the choices already in the ring must not run on
                 self._abort(rids[:index])
-                raise ApiError(400, _say(exc)) from None
+                if isinstance(exc, ProtocolError):
+                    raise ApiError(400, _say(exc)) from None
+                raise
         want_logprobs = req.logprobs is not None and req.logprobs is not False
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         num_prompt_tokens = [len(ids) for ids in prompt_ids for _ in range(req.n)]
@@ -366,7 +371,7 @@ class OpenAIRoutes:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=dict(req.logit_bias or {}),
-            seed=None if req.seed is None else (req.seed + sample) % (MAX_SEED + 1),
+            seed=_sample_seed(req.seed, sample),
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
             logprobs=bool(logprobs),
@@ -472,6 +477,14 @@ def _generate_from_tokenize_body(body: dict[str, Any]) -> Generate:
     turns = [ChatTurn.model_validate(turn) for turn in body["messages"]]
     messages = [ChatMessage(role=t.role, content=_text_of(t.content)) for t in turns]
     return Generate(rid="tokenize", messages=messages)
+
+
+def _sample_seed(seed: int | None, sample: int) -> int | None:
+    """Sample `sample`'s seed: seed + sample, wrapping past the largest seed so any valid seed
+    takes any n; a seed beyond it stays so, for SamplingParams to refuse in one sentence."""
+    if seed is None or seed > MAX_SEED:
+        return seed
+    return (seed + sample) % (MAX_SEED + 1)
 
 
 def _text_of(content: str | list[ChatContentPart]) -> str:

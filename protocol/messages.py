@@ -41,6 +41,9 @@ class NewRequest:
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    # A replay into a re-formed ring: the last this many input_ids are tokens the request
+    # generated before, which the presence and frequency penalties count as its output.
+    num_generated: int = 0
 
     def __post_init__(self) -> None:
         if not self.rid:
@@ -49,6 +52,10 @@ class NewRequest:
             raise ProtocolError(f"request {self.rid} has no input tokens")
         if any(token_id < 0 for token_id in self.input_ids):
             raise ProtocolError(f"request {self.rid} has a negative token id")
+        if not 0 <= self.num_generated < len(self.input_ids):
+            raise ProtocolError(
+                f"request {self.rid}: num_generated must be in [0, {len(self.input_ids)})"
+            )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from protocol.sampling import SamplingParams
+from stages.batch import History
 
 
 class ReqState(enum.Enum):
@@ -28,6 +29,15 @@ class Req:
     abort_requested: bool = False
     finish_reason: str | None = None
     num_retractions: int = 0
+    # A replay (NewRequest.num_generated): the last this many prompt_ids were its output.
+    num_generated_before: int = 0
+
+    def penalty_history(self) -> History:
+        """Its tokens as the penalties see them: what it generated before a replay counts as
+        output, not prompt. The output is copied: the request takes this step's token before
+        a device step that is still running reads it."""
+        cut = len(self.prompt_ids) - self.num_generated_before
+        return History(self.prompt_ids[:cut], self.prompt_ids[cut:] + self.output_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt_ids + output_ids)[start:end] without building the sum (a decode step reads

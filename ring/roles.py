@@ -41,7 +41,7 @@ from ring.config import RingConfig
 from ring.control import RingControl
 from ring.links import Links
 from ring.scheduler import Batch, DivergenceError, Scheduler
-from stages.batch import History, SampleResult
+from stages.batch import SampleResult
 from stages.contract import LogitsShare, Sample, Seam, Stage, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -304,12 +304,8 @@ def sampling_args(batch: Batch) -> dict[str, Any]:
     """What the sampling stage's `run` (or `sample_share`) takes besides the tensors: each
     entry's sampling parameters, and its history where a penalty needs it."""
     sampling = [e.req.sampling for e in batch.entries]
-    # Only a penalty needs the history. The output list is copied: the request takes this
-    # step's token before a device step that is still running gets to read it.
-    histories = [
-        History(e.req.prompt_ids, list(e.req.output_ids))
-        if e.chunk.sample and e.req.sampling.needs_history
-        else None
+    histories = [  # only a penalty needs one
+        e.req.penalty_history() if e.chunk.sample and e.req.sampling.needs_history else None
         for e in batch.entries
     ]
     return {"sampling": sampling, "histories": histories}

@@ -129,6 +129,7 @@ class Scheduler:
         finished = []
         for new in reqs.new:
             req = Req(new.rid, list(new.input_ids), new.sampling, arrival=self.num_arrivals)
+            req.num_generated_before = new.num_generated
             self.num_arrivals += 1
             error = self._reject_reason(req)
             if error:

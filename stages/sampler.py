@@ -1,10 +1,11 @@
 """Turn the last stage's logits into tokens: greedy, temperature, top-k, top-p, min-p,
 penalties, logit bias, per-request seeds.
 
-Order of processing: on the raw logits the repetition penalty (transformers' and vLLM's first
-processor), then the presence and frequency penalties (vLLM's `apply_penalties` order), then the
-logit bias; then greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. top-p and
-min-p act on the distribution left after the earlier filters (renormalised).
+Order of processing, vLLM v1's: on the raw logits the logit bias (one of its logits processors,
+which run before the penalties), then the repetition penalty, then the presence and frequency
+penalties (its `apply_penalties` order); then greedy argmax, or temperature -> top-k -> top-p ->
+min-p -> sample. top-p and min-p act on the distribution left after the earlier filters
+(renormalised).
 
 Sampling is an exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d., which draws
 exactly from p. A seeded request draws its E from its own generator, seeded from (seed,
@@ -40,7 +41,7 @@ def sample(
     if logits.shape[0] != len(params) or len(params) != len(positions):
         raise ValueError("sample() needs one SamplingParams and one position per logits row")
     raw = logits.float()  # [N, V]
-    processed = _apply_logit_bias(_apply_penalties(raw, params, histories), params)
+    processed = _apply_penalties(_apply_logit_bias(raw, params), params, histories)
     greedy = [p.is_greedy for p in params]
     if all(greedy):
         tokens = processed.argmax(dim=-1)  # [N]; the common fast path: one op for the batch

@@ -48,6 +48,7 @@ def test_without_the_key_every_api_route_is_401(headers):
         error = answer.json()["error"]
         assert error["type"] == "authentication_error" and "Bearer" in error["message"]
         assert KEY not in answer.text
+        assert answer.headers["WWW-Authenticate"] == "Bearer"  # RFC 6750
 
 
 def test_with_the_key_routes_answer_and_health_and_metrics_stay_open():
@@ -78,3 +79,23 @@ def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert parse([]) == "from-env"
     assert parse(["--api-key", KEY]) == KEY
+
+
+@pytest.mark.parametrize(
+    ("key", "words"),
+    [("", "is empty"), ("  ", "is empty"), ("clé", "printable ASCII"), ("a\tb", "printable"),
+     (" key", "surrounding spaces")],
+)  # fmt: skip
+def test_a_key_that_cannot_lock_the_api_is_one_sentence(monkeypatch, capsys, key, words):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_http_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--api-key", key])
+    assert words in capsys.readouterr().err
+    monkeypatch.setenv(API_KEY_ENV, key)  # from the environment alike: never open by mistake
+    parser = argparse.ArgumentParser()
+    add_http_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([])

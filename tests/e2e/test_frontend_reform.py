@@ -65,6 +65,7 @@ def test_requests_wait_for_a_reforming_ring_and_are_replayed_from_their_last_tok
             assert replay.epoch == 1
             (again,) = replay.new
             assert again.rid == "a" and again.input_ids == prompt + [11, 12, 13]
+            assert again.num_generated == 3  # the penalties count them as its output
             assert again.sampling.max_new_tokens == 7 and again.sampling.seed == 3
             await frontend._apply(RequestDelta("a", 14, None, "length"))
             done = answers["a"][-1]

@@ -16,7 +16,7 @@ import pytest
 from launch.client import AsyncClient, Client, RequestError
 from launch.procs import ROOT
 from protocol.channels import ChannelTimeout
-from protocol.codec import encode
+from protocol.codec import PROTOCOL_VERSION, encode
 from protocol.messages import Chunk, Done, Error, Generate
 from protocol.sampling import SamplingParams
 from protocol.schema import to_wire
@@ -89,7 +89,7 @@ def test_32_concurrent_clients_get_what_they_get_alone(start_local):
 def raw_generate(**fields) -> list[bytes]:
     """A generate message as a hostile or buggy client might send it: no client-side checks."""
     header = {
-        "v": 1,
+        "v": PROTOCOL_VERSION,
         "kind": "generate",
         "rid": "raw",
         "prompt": None,

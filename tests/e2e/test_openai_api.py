@@ -274,6 +274,16 @@ def test_top_logprobs_native_completions_and_chat(server, client):
         model="smol", prompt=prompt, max_tokens=6, temperature=0, logprobs=3
     )
     assert got.choices[0].logprobs.top_logprobs == [pytest.approx(t) for t in texts]
+    only = (
+        client.completions.create(
+            model="smol", prompt=prompt, max_tokens=6, temperature=0, logprobs=0
+        )
+        .choices[0]
+        .logprobs
+    )  # the sampled token alone, as OpenAI's and vLLM's legacy shape
+    assert only.top_logprobs == [
+        {t: pytest.approx(lp)} for t, lp in zip(only.tokens, only.token_logprobs)
+    ]
     chat = client.chat.completions.create(
         model="smol", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
     )

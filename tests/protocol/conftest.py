@@ -75,7 +75,7 @@ def sample_messages() -> list:
         Reqs(
             slot=1,
             step=5,
-            new=[NewRequest(rid="r1", input_ids=[1, 2, 3], sampling=sampling)],
+            new=[NewRequest(rid="r1", input_ids=[1, 2, 3], sampling=sampling, num_generated=1)],
             aborts=["r0"],
         ),
         Reqs(slot=0, step=0),

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from protocol.channels import BadClientMessage, DealerChannel, RouterChannel
-from protocol.codec import decode, encode
+from protocol.codec import PROTOCOL_VERSION, decode, encode
 from protocol.errors import ProtocolError
 from protocol.messages import ALL_KINDS, Abort, Reqs
 from tests.protocol.conftest import random_proxy, sample_messages
@@ -73,12 +73,16 @@ def mutate(frames: list[bytes], rng: random.Random) -> list[bytes]:
             else:
                 header[f"x{rng.randrange(9)}"] = 1
         elif how == 7:  # wrong version or kind
-            header[rng.choice(["v", "kind"])] = rng.choice([0, 2, "reqs", "pickle", None])
+            header[rng.choice(["v", "kind"])] = rng.choice(
+                [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1, "reqs", "pickle", None]
+            )
         else:  # an extension type, a deep nest, or a non-map header
-            header = rng.choice([msgpack.ExtType(5, b"abc"), [header], {"v": 1}, "str", 3])
+            header = rng.choice(
+                [msgpack.ExtType(5, b"abc"), [header], {"v": PROTOCOL_VERSION}, "str", 3]
+            )
             if rng.random() < 0.3:
                 header = {
-                    "v": 1,
+                    "v": PROTOCOL_VERSION,
                     "kind": "ctrl",
                     "op": "hello",
                     "rank": 0,

@@ -6,10 +6,12 @@ import random
 
 import pytest
 
+from protocol.errors import ProtocolError
 from protocol.messages import NewRequest, Output, Reqs
 from protocol.sampling import SamplingParams
 from ring.block_allocator import BlockAllocator
 from ring.config import RingConfig
+from ring.roles import sampling_args
 from ring.scheduler import DivergenceError, Scheduler
 
 
@@ -99,6 +101,27 @@ def test_an_output_carries_each_rows_top_logprobs_to_its_delta():
     deltas = {d.rid: d for d in sched.apply_output(output)}
     assert (deltas["a"].top_ids, deltas["a"].top_logprobs) == ([5, 9], [-0.5, -1.0])
     assert (deltas["b"].top_ids, deltas["b"].top_logprobs) == (None, None)
+
+
+def test_a_replayed_requests_earlier_output_counts_as_output_for_the_penalties():
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=100)
+    penalised = SamplingParams(max_new_tokens=4, temperature=0.0, frequency_penalty=1.0)
+    replay = NewRequest("a", [1, 2, 3, 7, 7], penalised, num_generated=2)  # 7, 7 were output
+    sched.apply_reqs(Reqs(0, 0, new=[replay, NewRequest("b", [1, 2], penalised)]))
+    batch, _ = sched.decide(0, 0)
+    histories = sampling_args(batch)["histories"]
+    assert [(h.prompt_ids, h.output_ids) for h in histories] == [([1, 2, 3], [7, 7]), ([1, 2], [])]
+    sched.apply_output(Output(0, 0, batch.digest, token_ids=[9, 8]))
+    req = sched.requests["a"]
+    assert (req.penalty_history().prompt_ids, req.penalty_history().output_ids) == (
+        [1, 2, 3], [7, 7, 9],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_generated", [-1, 5])
+def test_num_generated_must_leave_a_prompt(num_generated):
+    with pytest.raises(ProtocolError, match=r"num_generated must be in \[0, 5\)"):
+        NewRequest("a", [1, 2, 3, 4, 5], SamplingParams(), num_generated=num_generated)
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_flowing():

@@ -240,3 +240,13 @@ def test_top_logprobs_are_the_raw_distributions_best_per_row() -> None:
     assert out.top_ids[0][0] == out.token_ids[0]  # greedy: the chosen token is the best
     assert out.top_logprobs[0][0] == pytest.approx(out.logprobs[0], abs=1e-6)
     assert sample(logits[:1], [params[1]], [0]).top_ids is None  # nobody asked: nothing
+
+
+def test_the_logit_bias_comes_before_the_repetition_penalty() -> None:
+    # vLLM v1's order: the bias, then the penalty.
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 8] = -1.0, 1.6
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={"7": 4.0})
+    histories = [History([7], [])]
+    # bias first: (-1 + 4) / 2 = 1.5 < 1.6, so 8; penalty first: -1 * 2 + 4 = 2.0 > 1.6, so 7
+    assert sample(logits, [params], [0], histories).token_ids == [8]
