@@ -4,7 +4,9 @@ Token by token, `add(token_id)` returns the text that may be shown now:
 - never half a character: a byte-level BPE token can end inside a multi-byte UTF-8 sequence,
   which decodes to U+FFFD until the next token completes it, so text ending in U+FFFD is held;
 - never part of a stop string: text that could be the start of one is held until it is clear;
-- never the stop string itself: at a match the text is cut before it and `stopped` is set.
+- never the stop string itself: at a match the text is cut before it and `stopped` is set;
+- with min_tokens, a stop string counts only if it ends in text of a later token (vLLM's rule:
+  it checks from token min_tokens + 1 on, the new text and a stop string's length back).
 
 Decoding re-reads only a short window of recent tokens (vLLM's prefix/read offsets), so the cost
 per token does not grow with the length of the answer.
@@ -20,7 +22,11 @@ CONTEXT_TOKENS = 6
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, stop: list[str] | None = None, prompt_ids: list[int] | None = None
+        self,
+        tokenizer: Any,
+        stop: list[str] | None = None,
+        prompt_ids: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
@@ -33,11 +39,15 @@ class IncrementalDetokenizer:
         self.text = ""  # all text decoded so far (complete characters only)
         self.sent = 0  # characters of `text` already handed out
         self.stopped = False
+        self.min_tokens = min_tokens
+        self.num_added = 0
+        self.stop_floor = 0  # characters of `text` a stop string may not end within
 
     def add(self, token_id: int) -> str:
         """Text that became safe to show with this token (may be empty)."""
         if self.stopped:
             return ""
+        self.num_added += 1
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset :])
@@ -45,6 +55,8 @@ class IncrementalDetokenizer:
             return ""  # inside a multi-byte character, or nothing visible yet
         self.text += full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        if self.num_added <= self.min_tokens:
+            self.stop_floor = len(self.text)
         return self._release(final=False)
 
     def flush(self) -> str:
@@ -54,7 +66,11 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stop and not self.stopped:
             search_from = max(self.sent - self.hold, 0)
-            hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            hits = [
+                i
+                for s in self.stop
+                if (i := self.text.find(s, max(search_from, self.stop_floor - len(s) + 1))) >= 0
+            ]
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True

@@ -92,7 +92,11 @@ class Inflight:
         remaining = self.sampling.max_new_tokens - self.num_tokens
         if remaining <= 0:
             return None
-        sampling = dataclasses.replace(self.sampling, max_new_tokens=remaining)
+        sampling = dataclasses.replace(
+            self.sampling,
+            max_new_tokens=remaining,
+            min_tokens=max(0, self.sampling.min_tokens - self.num_tokens),
+        )
         return NewRequest(rid, self.input_ids + self.token_ids, sampling, len(self.token_ids))
 
 
@@ -244,7 +248,9 @@ class Frontend:
             req.rid,
             input_ids,
             req.sampling,
-            IncrementalDetokenizer(self.tokenizer, req.stop, input_ids),
+            IncrementalDetokenizer(
+                self.tokenizer, req.stop, input_ids, min_tokens=req.sampling.min_tokens
+            ),
             req.sampling.logprobs,
         )
         self.inflight[rid] = request

@@ -8,7 +8,7 @@ one more task of the frontend's asyncio loop: a request here is tokenized by the
 submitted exactly as a ZeroMQ client's is (`Frontend.submit`), its answers arrive on a queue.
 The request bodies follow OpenAI's (`presence_penalty`, `frequency_penalty` and `logit_bias`
 included), with vLLM's extensions a user of vLLM sends (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`). `n` samples of a prompt (and /v1/completions' list of
+`ignore_eos`, `min_tokens`, `stop_token_ids`). `n` samples of a prompt (and /v1/completions' list of
 prompts) are that many requests in the ring, answered as one (launch/openai_answers.py).
 Anything else, or a value this engine cannot honour (tools, a response format), is
 refused with an OpenAI-shaped error and the status a client expects, never a 500.
@@ -90,6 +90,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[str, float] | None = None
 
@@ -371,6 +372,7 @@ class OpenAIRoutes:
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
             logit_bias=dict(req.logit_bias or {}),
+            min_tokens=req.min_tokens,
             seed=_sample_seed(req.seed, sample),
             stop_token_ids=list(req.stop_token_ids),
             ignore_eos=req.ignore_eos,

@@ -24,6 +24,8 @@ MAX_TOP_LOGPROBS = 20  # vLLM's default cap (max_logprobs), OpenAI's for chat
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
+    # vLLM's: no EOS, stop token id or stop string ends the answer before this many tokens
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -42,6 +44,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0, high=self.max_new_tokens)
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_int("top_k", self.top_k, low=-1)
         if self.top_k == 0:
@@ -76,11 +79,12 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """A penalty reads the request's tokens so far."""
+        """A penalty reads the request's tokens so far (min_tokens, how many are out)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or self.min_tokens > 0
         )
 
     @property

@@ -31,13 +31,22 @@ class Req:
     num_retractions: int = 0
     # A replay (NewRequest.num_generated): the last this many prompt_ids were its output.
     num_generated_before: int = 0
+    # The ids that end it: its stop_token_ids, and EOS unless ignore_eos (set at admission).
+    stop_ids: frozenset[int] = frozenset()
 
     def penalty_history(self) -> History:
         """Its tokens as the penalties see them: what it generated before a replay counts as
         output, not prompt. The output is copied: the request takes this step's token before
         a device step that is still running reads it."""
         cut = len(self.prompt_ids) - self.num_generated_before
-        return History(self.prompt_ids[:cut], self.prompt_ids[cut:] + self.output_ids)
+        # A replay's min_tokens is already what is left of it (the frontend takes off the
+        # tokens sent), so this ring's output is what counts.
+        early = len(self.output_ids) < self.sampling.min_tokens
+        return History(
+            self.prompt_ids[:cut],
+            self.prompt_ids[cut:] + self.output_ids,
+            sorted(self.stop_ids) if early else (),
+        )
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """(prompt_ids + output_ids)[start:end] without building the sum (a decode step reads

@@ -130,6 +130,8 @@ class Scheduler:
         for new in reqs.new:
             req = Req(new.rid, list(new.input_ids), new.sampling, arrival=self.num_arrivals)
             req.num_generated_before = new.num_generated
+            eos = () if new.sampling.ignore_eos else self.eos_token_ids
+            req.stop_ids = frozenset(new.sampling.stop_token_ids).union(eos)
             self.num_arrivals += 1
             error = self._reject_reason(req)
             if error:
@@ -246,10 +248,8 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token_id: int) -> str | None:
         sampling = req.sampling
-        if token_id in sampling.stop_token_ids:
-            return "stop"
-        if not sampling.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
+        if token_id in req.stop_ids and len(req.output_ids) > sampling.min_tokens:
+            return "stop"  # (before min_tokens the sampler never picks one; a peer that did)
         if len(req.output_ids) >= sampling.max_new_tokens:
             return "length"
         if req.seq_len >= self.context_length:

@@ -44,6 +44,9 @@ class History:
 
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    # Ids the sampler must not choose at this step: its stop ids and EOS while fewer than
+    # min_tokens are out.
+    suppressed_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

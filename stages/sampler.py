@@ -3,9 +3,9 @@ penalties, logit bias, per-request seeds.
 
 Order of processing, vLLM v1's: on the raw logits the logit bias (one of its logits processors,
 which run before the penalties), then the repetition penalty, then the presence and frequency
-penalties (its `apply_penalties` order); then greedy argmax, or temperature -> top-k -> top-p ->
-min-p -> sample. top-p and min-p act on the distribution left after the earlier filters
-(renormalised).
+penalties (its `apply_penalties` order), then min_tokens' ban on stop ids; then greedy argmax,
+or temperature -> top-k -> top-p -> min-p -> sample. top-p and min-p act on the distribution
+left after the earlier filters (renormalised).
 
 Sampling is an exponential race: token = argmax(p / E) with E ~ Exp(1) i.i.d., which draws
 exactly from p. A seeded request draws its E from its own generator, seeded from (seed,
@@ -81,7 +81,7 @@ def _apply_penalties(
     one). Repetition: tokens seen in prompt or output have positive logits divided by the
     penalty and negative ones multiplied (so a penalty > 1 always makes them less likely).
     Then, over the output only: minus presence_penalty for each token generated at least once,
-    minus frequency_penalty times its count."""
+    minus frequency_penalty times its count. Last, -inf for the ids min_tokens suppresses."""
     rows = [i for i, p in enumerate(params) if p.needs_history]
     if not rows:
         return logits
@@ -102,6 +102,9 @@ def _apply_penalties(
         if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and output.numel():
             counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        suppressed = [t for t in history.suppressed_ids if t < vocab]
+        if suppressed:
+            logits[i, suppressed] = float("-inf")
     return logits
 
 

@@ -62,3 +62,16 @@ def test_stop_strings_cut_before_the_match_and_never_show_part_of_it(tokenizer, 
         for piece in pieces:
             shown += piece
             assert s not in shown
+
+
+def test_with_min_tokens_a_stop_string_counts_only_if_it_ends_in_a_later_token(tokenizer):
+    ids = tokenizer.encode("ab ab ab ab")
+    texts = [tokenizer.decode(ids[: n + 1]) for n in range(len(ids))]
+    first = next(n for n, t in enumerate(texts) if "ab" in t) + 1  # tokens to the first "ab"
+    # A stop string whole within the first min_tokens tokens' text does not stop the answer,
+    # the next one does: the text is cut before the first "ab" that ends later.
+    detok = IncrementalDetokenizer(tokenizer, stop=["ab"], min_tokens=first)
+    shown = "".join(stream(detok, ids))
+    assert detok.stopped and shown == texts[first - 1] + " "
+    plain = IncrementalDetokenizer(tokenizer, stop=["ab"])
+    assert "".join(stream(plain, ids)) == "" and plain.stopped

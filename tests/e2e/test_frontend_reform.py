@@ -38,7 +38,7 @@ def test_requests_wait_for_a_reforming_ring_and_are_replayed_from_their_last_tok
             return send
 
         try:
-            sampling = SamplingParams(max_new_tokens=10, temperature=0.7, seed=3)
+            sampling = SamplingParams(max_new_tokens=10, temperature=0.7, seed=3, min_tokens=5)
             await frontend.submit(
                 "a", Generate(rid="a", prompt="Hello", sampling=sampling), sink("a")
             )
@@ -66,6 +66,7 @@ def test_requests_wait_for_a_reforming_ring_and_are_replayed_from_their_last_tok
             (again,) = replay.new
             assert again.rid == "a" and again.input_ids == prompt + [11, 12, 13]
             assert again.num_generated == 3  # the penalties count them as its output
+            assert again.sampling.min_tokens == 2  # 3 of the 5 are out
             assert again.sampling.max_new_tokens == 7 and again.sampling.seed == 3
             await frontend._apply(RequestDelta("a", 14, None, "length"))
             done = answers["a"][-1]

@@ -136,7 +136,11 @@ def hf_penalised(default_model):
     return greedy
 
 
-def test_presence_and_frequency_penalties_and_logit_bias(server, client, hf_greedy, hf_penalised):
+def test_presence_and_frequency_penalties_logit_bias_and_min_tokens(
+    server, client, hf_greedy, hf_penalised, default_model
+):
+    from transformers import AutoTokenizer
+
     at_pp2_only(server)  # PP=2: the new fields cross the wire to the sampling stage
     prompt = PROMPTS[1]  # code: plain greedy repeats tokens within 16
     banned = hf_greedy[prompt][0]
@@ -151,6 +155,17 @@ def test_presence_and_frequency_penalties_and_logit_bias(server, client, hf_gree
         model="smol", prompt=prompt, max_tokens=16, temperature=0, **knobs
     )
     assert got.choices[0].text == ring.text
+    # min_tokens: EOS biased to win every step is held off for 5 tokens, then ends the answer.
+    eos = str(AutoTokenizer.from_pretrained(default_model).eos_token_id)
+    rushed = dict(model="smol", prompt=prompt, max_tokens=16, temperature=0, logit_bias={eos: 100})
+    assert client.completions.create(**rushed).usage.completion_tokens == 1
+    held = client.completions.create(**rushed, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    tokens = asyncio.run(
+        native(server.addr, prompt=prompt, max_new_tokens=16, temperature=0, min_tokens=5,
+               logit_bias={eos: 100.0})
+    ).token_ids  # fmt: skip
+    assert tokens[-1] == int(eos) and int(eos) not in tokens[:5]  # held off, not ignored
 
 
 @pytest.fixture(scope="module")

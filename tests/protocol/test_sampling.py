@@ -17,6 +17,8 @@ def test_defaults_are_valid_and_greedy_is_temperature_zero():
         ("max_new_tokens", 0, "at least 1"),
         ("max_new_tokens", 1.5, "integer"),
         ("max_new_tokens", True, "integer"),
+        ("min_tokens", -1, "min_tokens must be at least 0"),
+        ("min_tokens", 129, "min_tokens must be at most 128"),  # max_new_tokens' default
         ("temperature", -0.1, "temperature must be in"),
         ("temperature", float("nan"), "NaN"),
         ("temperature", "hot", "number"),

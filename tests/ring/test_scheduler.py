@@ -118,6 +118,25 @@ def test_a_replayed_requests_earlier_output_counts_as_output_for_the_penalties()
     )  # fmt: skip
 
 
+def test_min_tokens_suppresses_the_stop_ids_until_enough_are_out():
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=100)
+    sched.eos_token_ids = (2,)
+    wants = SamplingParams(max_new_tokens=6, temperature=0.0, min_tokens=2, stop_token_ids=[9])
+    free = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    sched.apply_reqs(Reqs(0, 0, new=[NewRequest("a", [1], wants), NewRequest("b", [1], free)]))
+    suppressed = []
+    for step in range(3):
+        batch, _ = sched.decide(0, step)
+        histories = {e.req.rid: h for e, h in zip(batch.entries, sampling_args(batch)["histories"])}
+        suppressed.append(list(histories["a"].suppressed_ids))
+        assert histories["b"] is None  # nothing to suppress, no penalty: no history
+        # A peer that samples a stop id anyway: it is taken as a token, not as the end.
+        deltas = sched.apply_output(Output(0, step, batch.digest, token_ids=[9, 2]))
+        reasons = {d.rid: d.finish_reason for d in deltas}
+    assert suppressed == [[2, 9], [2, 9], []]  # EOS and stop id while fewer than 2 are out
+    assert reasons == {"a": "stop", "b": ""}  # the third: past min_tokens, 9 stops it
+
+
 @pytest.mark.parametrize("num_generated", [-1, 5])
 def test_num_generated_must_leave_a_prompt(num_generated):
     with pytest.raises(ProtocolError, match=r"num_generated must be in \[0, 5\)"):

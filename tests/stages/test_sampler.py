@@ -250,3 +250,16 @@ def test_the_logit_bias_comes_before_the_repetition_penalty() -> None:
     histories = [History([7], [])]
     # bias first: (-1 + 4) / 2 = 1.5 < 1.6, so 8; penalty first: -1 * 2 + 4 = 2.0 > 1.6, so 7
     assert sample(logits, [params], [0], histories).token_ids == [8]
+
+
+def test_min_tokens_suppressed_ids_are_never_chosen() -> None:
+    logits = make_logits(2, seed=15)
+    best = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3),
+        SamplingParams(temperature=1.0, seed=4, min_tokens=3, logit_bias={str(best[1]): 100}),
+    ]
+    histories = [History([1], [], suppressed_ids=[best[0]]), History([1], [], [best[1]])]
+    out = sample(logits, params, [0, 0], histories)
+    assert out.token_ids[0] == int(logits[0].topk(2).indices[1])  # the runner-up
+    assert out.token_ids[1] != best[1]  # a +100 bias does not lift a suppressed id
