@@ -149,11 +149,6 @@ def _unsupported(req: _Common) -> str | None:
         ]
     else:
         checks += [
-            (
-                req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS,
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
-            ),
-            (bool(req.top_logprobs) and not req.logprobs, "top_logprobs needs logprobs: true"),
             (bool(req.tools), "tools are not supported"),
             (
                 req.response_format not in (None, {"type": "text"}),
@@ -326,7 +321,7 @@ class OpenAIRoutes:
                 if isinstance(exc, ProtocolError):
                     raise ApiError(400, _say(exc)) from None
                 raise
-        want_logprobs = req.logprobs is not None and req.logprobs is not False
+        want_logprobs = submitted[0].sampling.logprobs
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         num_prompt_tokens = [len(ids) for ids in prompt_ids for _ in range(req.n)]
         shape = AnswerShape(

@@ -31,7 +31,7 @@ class Req:
     num_retractions: int = 0
     # A replay (NewRequest.num_generated): the last this many prompt_ids were its output.
     num_generated_before: int = 0
-    # The ids that end it: its stop_token_ids, and EOS unless ignore_eos (set at admission).
+    # The ids that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_ids: frozenset[int] = frozenset()
 
     def penalty_history(self) -> History:

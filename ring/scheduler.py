@@ -128,10 +128,15 @@ class Scheduler:
         (rejected, or aborted while waiting)."""
         finished = []
         for new in reqs.new:
-            req = Req(new.rid, list(new.input_ids), new.sampling, arrival=self.num_arrivals)
-            req.num_generated_before = new.num_generated
             eos = () if new.sampling.ignore_eos else self.eos_token_ids
-            req.stop_ids = frozenset(new.sampling.stop_token_ids).union(eos)
+            req = Req(
+                new.rid,
+                list(new.input_ids),
+                new.sampling,
+                arrival=self.num_arrivals,
+                num_generated_before=new.num_generated,
+                stop_ids=frozenset(new.sampling.stop_token_ids).union(eos),
+            )
             self.num_arrivals += 1
             error = self._reject_reason(req)
             if error:

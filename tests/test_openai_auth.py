@@ -3,6 +3,7 @@ the app itself with a stand-in frontend (no ring: auth is decided before a route
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 from types import SimpleNamespace
@@ -65,20 +66,20 @@ def test_without_a_key_the_api_is_open():
     assert call(app, "GET", "/v1/models").status_code == 200
 
 
+def parse_key(argv: list[str]) -> str | None:
+    """--api-key as the launchers' parsers read it (the environment read when built)."""
+    parser = argparse.ArgumentParser()
+    add_http_args(parser)
+    return parser.parse_args(argv).api_key
+
+
 def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
-    import argparse
-
-    def parse(argv: list[str]) -> str | None:
-        parser = argparse.ArgumentParser()
-        add_http_args(parser)
-        return parser.parse_args(argv).api_key
-
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    assert parse([]) is None
-    assert parse(["--api-key", KEY]) == KEY
+    assert parse_key([]) is None
+    assert parse_key(["--api-key", KEY]) == KEY
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert parse([]) == "from-env"
-    assert parse(["--api-key", KEY]) == KEY
+    assert parse_key([]) == "from-env"
+    assert parse_key(["--api-key", KEY]) == KEY
 
 
 @pytest.mark.parametrize(
@@ -87,15 +88,9 @@ def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
      (" key", "surrounding spaces")],
 )  # fmt: skip
 def test_a_key_that_cannot_lock_the_api_is_one_sentence(monkeypatch, capsys, key, words):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_http_args(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--api-key", key])
+        parse_key(["--api-key", key])
     assert words in capsys.readouterr().err
     monkeypatch.setenv(API_KEY_ENV, key)  # from the environment alike: never open by mistake
-    parser = argparse.ArgumentParser()
-    add_http_args(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args([])
+        parse_key([])
