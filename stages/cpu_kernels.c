@@ -228,22 +228,37 @@ typedef struct {
                    heads are split so that every thread has work) */
 } Task;
 
-/* The next page, into L2 (locality 2): its block can be anywhere, so the hardware prefetcher
- * cannot guess it. Each KV head's rows are fetched while the previous head is computed, not the
- * whole page at once (which overflows the outstanding-miss queues). Measured at 32 decodes of
- * context 512, one SmolLM2 layer, fp32 (cache-resident): no prefetch 1.04-1.32 ms, into L1
- * 1.16-1.28, into L2 0.95-0.97; over 30 layers' caches (from DRAM), whole page 44.5-46.0 ms,
- * head by head 39.3-40.7. */
-static inline void prefetch_page(const char *k, const char *v, int64_t row_bytes,
-                                 int64_t span_bytes) {
-    for (int j = 0; j < PAGE; j++)
-        for (int64_t b = 0; b < span_bytes; b += 64) {
-#ifndef PF_LOC
-#define PF_LOC 2
-#endif
-            __builtin_prefetch(k + j * row_bytes + b, 0, PF_LOC);
-            __builtin_prefetch(v + j * row_bytes + b, 0, PF_LOC);
+/* The next page's K and V lines this task reads, into L2 (locality 2): its block can be
+ * anywhere, so the hardware prefetcher cannot guess it. The lines (per slot, the task's KV heads)
+ * are handed out a slice per query vector's call on the current page, so the fetches keep pace
+ * with the compute. Issued in a burst (before: each KV head's rows of the next page at once),
+ * they overflow the core's outstanding-miss queues and the core stalls until most have come.
+ * On the 2-core EPYC, every layer's cache from DRAM, 2 threads, medians of 9, alternated runs:
+ * 64 decodes of context 128, burst 40.6, 48.8, 44.6 ms, spread 32.0, 33.3, 34.0; 32 decodes of
+ * context 512, 76.9 and 91.1 against 52.7 and 63.9; 1 decode of context 1024, level (8.9-11.1
+ * either way). In a decode step of 64 (bench step's loop), attention 53.4, 49.0, 53.9 ms a step
+ * against 42.4, 32.8, 38.3. */
+typedef struct {
+    const char *k, *v;        /* the next page's first row, at the task's first KV head */
+    int64_t row_bytes;        /* between slots */
+    int lines_per_row, lines; /* lines of span_bytes in one row; of the whole page */
+} PagePrefetch;
+
+/* The empty asm keeps gcc from vectorizing these loops: its vectorizer drops prefetches, and
+ * gcc 12 turned the contiguous loop into one that fetched nothing. */
+static inline void prefetch_slice(const PagePrefetch *pf, int call, int num_calls) {
+    const int l0 = (int)((int64_t)pf->lines * call / num_calls);
+    const int l1 = (int)((int64_t)pf->lines * (call + 1) / num_calls);
+    /* row and line of l0, then row by row: a division per line cost more than the fetch saved */
+    int row = l0 / pf->lines_per_row, col = l0 - row * pf->lines_per_row;
+    for (int ln = l0; ln < l1; row++, col = 0) {
+        const char *k = pf->k + row * pf->row_bytes, *v = pf->v + row * pf->row_bytes;
+        for (; col < pf->lines_per_row && ln < l1; col++, ln++) {
+            __builtin_prefetch(k + col * 64, 0, 2);
+            __builtin_prefetch(v + col * 64, 0, 2);
+            __asm__ volatile("");
         }
+    }
 }
 
 /* Where query vector gh (head gh % nh of the task's group gh / nh) of packed row t starts in
@@ -295,17 +310,24 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
     }
     const int last_pos = first_pos + task->row0 + task->nrows - 1;
     const int num_pages = last_pos / PAGE + 1;
-    const int64_t row_bytes = row_stride * elem_bytes;
-    const int64_t head_bytes = (int64_t)D * elem_bytes;
+    const int64_t span_bytes = (int64_t)num_groups * D * elem_bytes; /* a slot's task heads */
+    PagePrefetch pf = {NULL, NULL, row_stride * elem_bytes, (int)((span_bytes + 63) / 64), 0};
+    pf.lines = PAGE * pf.lines_per_row;
+    const int first_row_pos = first_pos + task->row0;
     for (int page = 0; page < num_pages; page++) {
         const int key0 = page * PAGE;
         const int nk = last_pos + 1 - key0 < PAGE ? last_pos + 1 - key0 : PAGE;
+        /* the calls this page makes: rows before the page (lim <= 0 below) make none */
+        const int rows_before = key0 > first_row_pos ? key0 - first_row_pos : 0;
+        const int calls_per_page = (task->nrows - rows_before) * num_groups * nh;
+        const int prefetching = page + 1 < num_pages;
+        if (prefetching) {
+            pf.k = (const char *)kv + ((int64_t)blocks[page + 1] * PAGE * Hkv + task->g0) * D *
+                                          elem_bytes;
+            pf.v = pf.k + v_offset * elem_bytes;
+        }
+        int call = 0;
         for (int g = task->g0; g < task->g1; g++) {
-            if (page + 1 < num_pages) { /* this head's rows of the next page */
-                const char *next = (const char *)kv +
-                    ((int64_t)blocks[page + 1] * PAGE * Hkv + g) * D * elem_bytes;
-                prefetch_page(next, next + v_offset * elem_bytes, row_bytes, head_bytes);
-            }
             const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
             const float *kp, *vp;
             int64_t kstride;
@@ -331,6 +353,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
                     int lim = pos[r] + 1 - key0; /* keys of this page this query sees */
                     if (lim <= 0) continue;
                     if (lim > nk) lim = nk;
+                    if (prefetching) prefetch_slice(&pf, call++, calls_per_page);
 #ifdef HAVE_AVX2_ATTENTION
                     if (use_avx2) {
                         row_page_avx2(qv + r * D, kp, vp, kstride, lim, D, &m[r], &l[r],
