@@ -581,7 +581,7 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
         for (int k = 0; k < K; k++) xq[(int64_t)mi * K + k] = (int16_t)lrintf(xm[k] * inv);
     }
     if (M == 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, 64)
         for (int n = 0; n < N; n++)
             y[n] = dot1_i8_q16(xq, w + (int64_t)n * K, K) * x_scale[0] * scale[n];
         free(xq);
@@ -589,7 +589,7 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
         return;
     }
     const int num_quads = (N + 3) / 4;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, 4)
     for (int qd = 0; qd < num_quads; qd++) {
         int n[4];
         for (int i = 0; i < 4; i++) n[i] = 4 * qd + i < N ? 4 * qd + i : N - 1;
@@ -645,7 +645,7 @@ DOT2X4(int8_t, dot2x4_i8, dot4_i8)
     static void NAME(const float *x, const WTYPE *w, const float *scale, float *y, int M, int N, \
               int K) {                                                                         \
         const int num_quads = (N + 3) / 4;                                                     \
-        _Pragma("omp parallel for schedule(static)") for (int qd = 0; qd < num_quads; qd++) {  \
+        _Pragma("omp parallel for schedule(guided, 4)") for (int qd = 0; qd < num_quads; qd++) { \
             int n[4];                                                                          \
             for (int i = 0; i < 4; i++) n[i] = 4 * qd + i < N ? 4 * qd + i : N - 1;            \
             const WTYPE *w0 = w + (int64_t)n[0] * K, *w1 = w + (int64_t)n[1] * K;              \
@@ -816,11 +816,20 @@ static inline void panel_row(const float *x, const float *panel, int K, float *y
 
 /* y[M, N] = x[M, K] @ W[N, K]^T, W given as panels (ppr_pack_f32). Threads split the panels;
  * the rows go in blocks of equal size, at most six (16 rows: 6, 5, 5; 8 rows: 4, 4), since a
- * block of one or two rows has too few accumulators to hide the FMA latency. */
+ * block of one or two rows has too few accumulators to hide the FMA latency.
+ *
+ * Guided, not static: the two cores of this VM do not run at one speed (timed per block, one
+ * core's 6-row blocks took 4,200-6,000 cycles while the other's took 7,000-7,700, in the same
+ * call), and a stage shares them with the frontend and the clients; with a static split the
+ * faster thread waits at the end of every call. 30 layers' matmuls at 64 rows, weights from
+ * DRAM, 2 threads, medians of 11 alternated rounds, four runs: static 133.8, 134.7, 115.2 and
+ * 134.2 ms, guided 125.3, 120.0, 108.0 and 112.3; serving 64 requests at 64 in flight (bench
+ * serve, PP=1, three alternated rounds), a decode step of 64 took 253.6, 250.7, 254.1 ms against
+ * 247.1, 246.9, 245.4. Other kernels are guided for the same reason. */
 void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N, int K) {
     const int num_panels = (N + PANEL - 1) / PANEL;
     const int num_blocks = (M + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, 4)
     for (int p = 0; p < num_panels; p++) {
         const float *panel = panels + (int64_t)p * K * PANEL;
         const char *next = p + 1 < num_panels ? (const char *)(panel + (int64_t)K * PANEL) : NULL;
@@ -851,7 +860,7 @@ void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N,
  * statistics are fp32 whatever the dtype, as transformers computes them. */
 void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const void *weight,
                       void *residual_out, void *x_out, int T, int d, float eps) {
-#pragma omp parallel for schedule(static) if (T >= 8)
+#pragma omp parallel for schedule(guided, 4) if (T >= 8)
     for (int t = 0; t < T; t++) {
         const int64_t row = (int64_t)t * d;
         float sum_sq = 0.0f;
@@ -905,7 +914,7 @@ void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, c
                     int H, int Hkv, int D) {
     const int half = D / 2;
     const int64_t v_offset = num_slots * Hkv * D;
-#pragma omp parallel for schedule(static) if (T >= 8)
+#pragma omp parallel for schedule(guided, 4) if (T >= 8)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
         for (int h = 0; h < H + Hkv; h++) {
@@ -951,7 +960,7 @@ static inline float exp_any(float x) {
  * (a fused gate_up matmul's output holds both in one row). silu(x) = x / (1 + exp(-x)). */
 void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
                   int I) {
-#pragma omp parallel for schedule(static) if (T >= 8)
+#pragma omp parallel for schedule(guided, 4) if (T >= 8)
     for (int t = 0; t < T; t++) {
         const int64_t src = (int64_t)t * row, dst = (int64_t)t * I;
         if (elem_bytes == 4) {
