@@ -814,6 +814,29 @@ static inline void panel_row(const float *x, const float *panel, int K, float *y
 #endif
 }
 
+/* Columns [16p, 16p + 16) of y[M, N] (row stride N) = x[M, K] @ panel[K, 16], row block by row
+ * block; `next` (or NULL): the next panel, fetched into L2 meanwhile. */
+static inline void multiply_panel(const float *x, const float *panel, int M, int N, int K, int p,
+                                  float *y, const char *next) {
+    const int num_blocks = (M + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
+    const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    int m = 0;
+    for (int b = 0; b < num_blocks; b++) {
+        const int rows = M / num_blocks + (b < M % num_blocks);
+        const float *xb = x + (int64_t)m * K;
+        float *yb = y + (int64_t)m * N + p * PANEL;
+        switch (rows) {
+        case 1: panel_row(xb, panel, K, yb, cols, b == 0 ? next : NULL); break;
+        case 2: panel_block(xb, panel, K, yb, N, cols, 2, next, b, num_blocks); break;
+        case 3: panel_block(xb, panel, K, yb, N, cols, 3, next, b, num_blocks); break;
+        case 4: panel_block(xb, panel, K, yb, N, cols, 4, next, b, num_blocks); break;
+        case 5: panel_block(xb, panel, K, yb, N, cols, 5, next, b, num_blocks); break;
+        default: panel_block(xb, panel, K, yb, N, cols, 6, next, b, num_blocks); break;
+        }
+        m += rows;
+    }
+}
+
 /* y[M, N] = x[M, K] @ W[N, K]^T, W given as panels (ppr_pack_f32). Threads split the panels;
  * the rows go in blocks of equal size, at most six (16 rows: 6, 5, 5; 8 rows: 4, 4), since a
  * block of one or two rows has too few accumulators to hide the FMA latency.
@@ -828,28 +851,169 @@ static inline void panel_row(const float *x, const float *panel, int K, float *y
  * 247.1, 246.9, 245.4. Other kernels are guided for the same reason. */
 void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N, int K) {
     const int num_panels = (N + PANEL - 1) / PANEL;
-    const int num_blocks = (M + MAX_BLOCK_ROWS - 1) / MAX_BLOCK_ROWS;
 #pragma omp parallel for schedule(guided, 4)
     for (int p = 0; p < num_panels; p++) {
         const float *panel = panels + (int64_t)p * K * PANEL;
         const char *next = p + 1 < num_panels ? (const char *)(panel + (int64_t)K * PANEL) : NULL;
-        const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-        int m = 0;
-        for (int b = 0; b < num_blocks; b++) {
-            const int rows = M / num_blocks + (b < M % num_blocks);
-            const float *xb = x + (int64_t)m * K;
-            float *yb = y + (int64_t)m * N + p * PANEL;
-            switch (rows) {
-            case 1: panel_row(xb, panel, K, yb, cols, b == 0 ? next : NULL); break;
-            case 2: panel_block(xb, panel, K, yb, N, cols, 2, next, b, num_blocks); break;
-            case 3: panel_block(xb, panel, K, yb, N, cols, 3, next, b, num_blocks); break;
-            case 4: panel_block(xb, panel, K, yb, N, cols, 4, next, b, num_blocks); break;
-            case 5: panel_block(xb, panel, K, yb, N, cols, 5, next, b, num_blocks); break;
-            default: panel_block(xb, panel, K, yb, N, cols, 6, next, b, num_blocks); break;
+        multiply_panel(x, panel, M, N, K, p, y, next);
+    }
+}
+
+/* ---- fp32 matmul over weights held as integer codes on a per-block grid ----
+ *
+ * A checkpoint dequantized from GGUF's Q4_1 or Q8_0 (the default model is) holds fp32 weights
+ * that are exactly w = d * q + m (Q4_1: q in 0..15, one d and m per 32 weights along K) or
+ * w = d * q (Q8_0: q in -127..127). stages/grid.py finds such a matrix and hands its codes here;
+ * each panel is turned back into the very same fp32 values (d * q rounded, then + m rounded, as
+ * the converter computed them: never fused into one FMA) in a per-thread buffer, and multiplied
+ * by panel_block / panel_row exactly as ppr_linear_f32 multiplies the fp32 panel. The results
+ * are bit-identical; a decode step reads 5.3x (Q4_1) or 3.6x (Q8_0) fewer weight bytes.
+ *
+ * Layout, per panel of 16 output channels (P panels, K a multiple of 32):
+ *   codes  Q4_1 [P, K, 8] bytes: byte i of row k = q[16p + i][k] | q[16p + 8 + i][k] << 4
+ *          Q8_0 [P, K, 16] int8:  q[16p + j][k]
+ *   scale  [P, K / 32, 16] fp32 (d), offset (Q4_1 only) [P, K / 32, 16] fp32 (m). */
+#define GRID_BLOCK 32
+/* v is rounded to its type here: the compiler cannot see through the empty asm, so it cannot
+ * fuse the multiplication that made v with the addition that uses it into one FMA (gcc fuses
+ * plain C and intrinsics alike at -O3 -march=native). */
+#if defined(__x86_64__) || defined(__i386__)
+#define ROUNDED(v) __asm__("" : "+x"(v))
+#else
+#define ROUNDED(v) __asm__("" : "+r"(v))
+#endif
+
+/* codes of panel p -> buf [K, 16] fp32; fetches the next panel's codes and scales into L2
+ * meanwhile (`next_*`, or NULL), a line every few k. */
+static void dequant_panel(int bits, const uint8_t *codes, const float *scale, const float *offset, int K,
+              float *buf, const char *next_codes, const char *next_scale,
+              const char *next_offset) {
+    const int code_bytes = bits == 4 ? 8 : 16; /* per k */
+    for (int kb = 0; kb < K / GRID_BLOCK; kb++) {
+        const float *s = scale + kb * PANEL, *o = offset ? offset + kb * PANEL : NULL;
+        if (next_scale) {
+            __builtin_prefetch(next_scale + kb * PANEL * 4, 0, 2);
+            if (next_offset) __builtin_prefetch(next_offset + kb * PANEL * 4, 0, 2);
+        }
+        for (int k = kb * GRID_BLOCK; k < (kb + 1) * GRID_BLOCK; k++) {
+            const uint8_t *c = codes + (int64_t)k * code_bytes;
+            if (next_codes && (k * code_bytes) % 64 == 0)
+                __builtin_prefetch(next_codes + (int64_t)k * code_bytes, 0, 2);
+            float *w = buf + (int64_t)k * PANEL;
+#if defined(__AVX2__) && defined(__FMA__)
+            __m256 lo, hi;
+            if (bits == 4) {
+                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+                lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+                hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+            } else {
+                lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+                hi = _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
             }
-            m += rows;
+            lo = _mm256_mul_ps(lo, _mm256_loadu_ps(s));
+            hi = _mm256_mul_ps(hi, _mm256_loadu_ps(s + 8));
+            if (o) {
+                ROUNDED(lo);
+                ROUNDED(hi);
+                lo = _mm256_add_ps(lo, _mm256_loadu_ps(o));
+                hi = _mm256_add_ps(hi, _mm256_loadu_ps(o + 8));
+            }
+            _mm256_storeu_ps(w, lo);
+            _mm256_storeu_ps(w + 8, hi);
+#else
+            for (int j = 0; j < PANEL; j++) {
+                const int q = bits == 4 ? (j < 8 ? c[j] & 15 : c[j - 8] >> 4) : (int8_t)c[j];
+                float product = (float)q * s[j];
+                ROUNDED(product);
+                w[j] = o ? product + o[j] : product;
+            }
+#endif
         }
     }
+}
+
+/* y[M, N] = x[M, K] @ W[N, K]^T for W held as grid codes (see above; bits 4 or 8). */
+int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, const float *offset,
+                    float *y, int M, int N, int K, int bits) {
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8)) return -1;
+    const int num_panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_codes = (int64_t)K * (bits == 4 ? 8 : 16);
+    const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *buf = aligned_alloc(64, sizeof(float) * PANEL * K);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(guided, 4)
+        for (int p = 0; p < num_panels; p++) {
+            if (!buf) continue;
+            const int has_next = p + 1 < num_panels;
+            dequant_panel(bits, codes + p * panel_codes, scale + p * panel_scales,
+                          offset ? offset + p * panel_scales : NULL, K, buf,
+                          has_next ? (const char *)(codes + (p + 1) * panel_codes) : NULL,
+                          has_next ? (const char *)(scale + (p + 1) * panel_scales) : NULL,
+                          has_next && offset ? (const char *)(offset + (p + 1) * panel_scales)
+                                             : NULL);
+            multiply_panel(x, buf, M, N, K, p, y, NULL); /* the codes were fetched ahead */
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The codes of w [N, K] on a grid (stages/grid.py): for each block of 32 weights along a row
+ * (block b = n * K / 32 + k / 32), the first of the `num_cand` scales cand[b, :] for which every
+ * weight is exactly fl(fl(d * q) + offset[b]) (offset NULL: fl(d * q)) with q an integer in
+ * [q_min, q_max]; q into codes [N, K], the scale into scale_out[b]. Returns how many blocks
+ * have none (0: the matrix lies on the grid). */
+int64_t ppr_grid_codes(const float *w, int N, int K, const float *cand, int num_cand,
+               const float *offset, int q_min, int q_max, int8_t *codes, float *scale_out) {
+    const int64_t num_blocks = (int64_t)N * (K / GRID_BLOCK);
+    int64_t missing = 0;
+#pragma omp parallel for schedule(static) reduction(+ : missing)
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const float *wb = w + b * GRID_BLOCK;
+        const float off = offset ? offset[b] : 0.0f;
+        int found = 0;
+        for (int c = 0; c < num_cand && !found; c++) {
+            const float d = cand[b * num_cand + c];
+            int ok = 1;
+            for (int i = 0; i < GRID_BLOCK && ok; i++) {
+                float q = d > 0.0f ? nearbyintf((wb[i] - off) / d) : 0.0f;
+                q = q < q_min ? q_min : q > q_max ? q_max : q;
+                float product = d * q;
+                ROUNDED(product);
+                ok = product + off == wb[i];
+                codes[b * GRID_BLOCK + i] = (int8_t)q;
+            }
+            if (ok) {
+                scale_out[b] = d;
+                found = 1;
+            }
+        }
+        missing += !found;
+    }
+    return missing;
+}
+
+/* The fp32 panels [P, K, 16] the codes stand for (what ppr_pack_f32 makes of the weight): the
+ * stage checks them against the weight bit for bit before it trusts the codes. */
+int ppr_unpack_grid(const uint8_t *codes, const float *scale, const float *offset, float *panels,
+                    int N, int K, int bits) {
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8)) return -1;
+    const int num_panels = (N + PANEL - 1) / PANEL;
+    const int64_t panel_codes = (int64_t)K * (bits == 4 ? 8 : 16);
+    const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < num_panels; p++)
+        dequant_panel(bits, codes + p * panel_codes, scale + p * panel_scales,
+                      offset ? offset + p * panel_scales : NULL, K,
+                      panels + (int64_t)p * K * PANEL, NULL, NULL, NULL);
+    return 0;
 }
 
 /* ---- the small ops around the matmuls: one call each instead of five to ten torch ops ---- */

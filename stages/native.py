@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 from stages.batch import BLOCK_SIZE
+from stages.grid import BLOCK as GRID_BLOCK
+from stages.grid import GridCodes
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,13 @@ class NativeKernels:
         lib.ppr_pack_f32.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_f32.restype = None
         lib.ppr_linear_f32.argtypes = [_vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_linear_grid.restype = ctypes.c_int
+        lib.ppr_linear_grid.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
+        lib.ppr_unpack_grid.restype = ctypes.c_int
+        lib.ppr_unpack_grid.argtypes = [_vp] * 4 + [ctypes.c_int] * 3
+        lib.ppr_grid_codes.restype = ctypes.c_int64
+        lib.ppr_grid_codes.argtypes = [_vp, ctypes.c_int, ctypes.c_int, _vp, ctypes.c_int, _vp]
+        lib.ppr_grid_codes.argtypes += [ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
         lib.ppr_add_rms_norm.restype = None
@@ -161,6 +170,87 @@ class NativeKernels:
         y = torch.empty(m, out_features, dtype=torch.float32)
         self._lib.ppr_linear_f32(x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, out_features, k)
         return y
+
+    def linear_grid(self, x: torch.Tensor, grid: GridCodes) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N] fp32, for W held as grid codes (stages/grid.py): the same
+        values, and so the same result, as linear_f32 over W's fp32 panels."""
+        x = x.contiguous()
+        m, k = x.shape
+        _check_grid(grid, k)
+        if x.dtype != torch.float32:
+            raise ValueError(f"linear_grid takes float32 x, got {x.dtype}")
+        y = torch.empty(m, grid.out_features, dtype=torch.float32)
+        status = self._lib.ppr_linear_grid(
+            x.data_ptr(),
+            grid.codes.data_ptr(),
+            grid.scale.data_ptr(),
+            None if grid.offset is None else grid.offset.data_ptr(),
+            y.data_ptr(),
+            m,
+            grid.out_features,
+            k,
+            grid.bits,
+        )
+        if status != 0:
+            raise RuntimeError("linear_grid could not allocate its panel buffers")
+        return y
+
+    def grid_codes(
+        self,
+        w: torch.Tensor,
+        candidates: torch.Tensor,
+        offset: torch.Tensor | None,
+        q_min: int,
+        q_max: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """w [N, K] fp32 (K a multiple of 32); candidates [B, C] fp32 scales per block of 32
+        along a row (B = N K / 32); offset [B] or None. (q [N, K] int8, d [B]) where every
+        block has a candidate d with w = d * q (+ offset) exactly, else None."""
+        n, k = w.shape
+        num_blocks = n * k // GRID_BLOCK
+        w, candidates = w.contiguous(), candidates.contiguous()
+        if (
+            k % GRID_BLOCK
+            or w.dtype != torch.float32
+            or candidates.dtype != torch.float32
+            or candidates.dim() != 2
+            or candidates.shape[0] != num_blocks
+            or (offset is not None and tuple(offset.shape) != (num_blocks,))
+        ):
+            raise ValueError("grid_codes takes w [N, K] and per-block candidates [N K / 32, C]")
+        if offset is not None:
+            offset = offset.to(torch.float32).contiguous()
+        codes = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(num_blocks, dtype=torch.float32)
+        missing = self._lib.ppr_grid_codes(
+            w.data_ptr(),
+            n,
+            k,
+            candidates.data_ptr(),
+            candidates.shape[1],
+            None if offset is None else offset.data_ptr(),
+            q_min,
+            q_max,
+            codes.data_ptr(),
+            scale.data_ptr(),
+        )
+        return None if missing else (codes, scale)
+
+    def unpack_grid(self, grid: GridCodes) -> torch.Tensor:
+        """The fp32 panels [ceil(N / 16), K, 16] the codes stand for, decoded by the kernel."""
+        k = grid.codes.shape[1]
+        _check_grid(grid, k)
+        panels = torch.empty(grid.codes.shape[0], k, PANEL, dtype=torch.float32)
+        self._lib.ppr_unpack_grid(
+            grid.codes.data_ptr(),
+            grid.scale.data_ptr(),
+            None if grid.offset is None else grid.offset.data_ptr(),
+            panels.data_ptr(),
+            grid.out_features,
+            k,
+            grid.bits,
+        )
+        return panels
 
     def linear_int8(
         self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
@@ -265,6 +355,28 @@ class NativeKernels:
 
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
+
+
+def _check_grid(grid: GridCodes, k: int) -> None:
+    """The kernel reads the codes' raw memory: their shapes and dtypes must be grid.py's."""
+    panels = -(-grid.out_features // PANEL)
+    code_dtype, width = (torch.uint8, 8) if grid.bits == 4 else (torch.int8, PANEL)
+    scales = (panels, k // GRID_BLOCK, PANEL)
+    if (
+        k % GRID_BLOCK
+        or grid.codes.dtype != code_dtype
+        or tuple(grid.codes.shape) != (panels, k, width)
+        or tuple(grid.scale.shape) != scales
+        or grid.scale.dtype != torch.float32
+        or (grid.offset is None) != (grid.bits == 8)
+        or (grid.offset is not None and tuple(grid.offset.shape) != scales)
+        or not all(
+            t.is_contiguous() and t.is_cpu
+            for t in (grid.codes, grid.scale, grid.offset)
+            if t is not None
+        )
+    ):
+        raise ValueError(f"grid codes do not fit K = {k} and N = {grid.out_features}")
 
 
 def _check(t: torch.Tensor, like: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs, on_device
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.linear import check_quantization
+from stages.linear import CpuLinear, GridLinear, check_quantization
 from stages.llama import Kind, LlamaStage
 from stages.partition import (
     layer_range,
@@ -149,7 +149,7 @@ class StageRunner(Stage):
             self.attention,
             "int8 (per-channel scales)"
             if quantization == "int8"
-            else "fp32, packed in panels for the kernels"
+            else _fp32_weights(self.model)
             if kernels is not None and self.dtype == torch.float32
             else "unquantized",
         )
@@ -562,3 +562,14 @@ def _plain_greedy(params: SamplingParams) -> bool:
     """Argmax of the raw logits and nothing else: no penalty or bias to apply, no logprob to
     report."""
     return params.is_greedy and not params.changes_logits and not params.logprobs
+
+
+def _fp32_weights(model: torch.nn.Module) -> str:
+    """How a CPU stage holds its fp32 matrices, for the start-up log."""
+    grids = [m.grid.name for m in model.modules() if isinstance(m, GridLinear)]
+    total = sum(isinstance(m, (GridLinear, CpuLinear)) for m in model.modules())
+    if not grids:
+        return "fp32, packed in panels for the kernels"
+    kinds = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
+    rest = "" if len(grids) == total else ", the rest packed in panels"
+    return f"fp32, {len(grids)} of {total} matrices held losslessly as GGUF codes ({kinds}){rest}"

@@ -1,0 +1,141 @@
+"""Finding fp32 weights that lie on a GGUF quantization grid, so a CPU stage can hold them as
+the integer codes they came from and read 3.6-5.3x fewer bytes a step, with the same values.
+
+A checkpoint converted from GGUF (the default model is: its layers are Q4_1, its embedding
+Q8_0) stores each weight as the fp32 the converter computed from the file's codes:
+- Q4_1: w = d * q + m, q in 0..15, one fp16 d and m per 32 weights along a row (the product
+  rounded to fp32, then the sum: numpy's two operations, never one FMA);
+- Q8_0: w = d * q, q in -127..127, one fp16 d per 32 weights.
+A matrix is taken only if every one of its weights is reproduced exactly: d and m are recovered
+per block (m is the block's minimum; d one of the few fp16 values next to (max - m) / 15, or to
+max |w| / 127), every weight is checked against d * q (+ m), and the stage checks the kernel's
+own decoding of the codes against the weight bit for bit before it uses them
+(stages/linear.py). Anything else, random test weights included, stays fp32.
+
+The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them
+(ppr_linear_grid documents the layout). `PPRING_GRID_WEIGHTS=0` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from stages.native import NativeKernels
+
+BLOCK = 32  # weights per scale along a row (GGUF's QK4_1 and QK8_0)
+PANEL = 16  # output channels per panel (cpu_kernels.c)
+DISABLE_ENV = "PPRING_GRID_WEIGHTS"  # "0": keep every weight as fp32 panels
+# fp16 neighbours of the estimated d that are tried, in ulps (the estimate from the rounded
+# weights can land a step or two away from the d the file held)
+_ULP_STEPS = (0, -1, 1, -2, 2)
+_QUICK_ROWS = 16  # rows checked first, so a matrix off every grid is rejected cheaply
+
+
+@dataclass(frozen=True)
+class GridCodes:
+    """A weight [N, K] as grid codes, in the panel layout of cpu_kernels.c."""
+
+    bits: int  # 4 (Q4_1) or 8 (Q8_0)
+    codes: torch.Tensor  # uint8 [P, K, 8] (4 bits) or int8 [P, K, 16] (8 bits)
+    scale: torch.Tensor  # fp32 [P, K / 32, 16]
+    offset: torch.Tensor | None  # fp32 [P, K / 32, 16] (4 bits), None (8 bits)
+    out_features: int  # N
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def name(self) -> str:
+        return "Q4_1" if self.bits == 4 else "Q8_0"
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def find_grid(weight: torch.Tensor, kernels: NativeKernels) -> GridCodes | None:
+    """`weight` [N, K] fp32 as Q4_1 codes, else as Q8_0 codes, else None. The per-block
+    search runs in the kernels (ppr_grid_codes); rows are tried a few first, so a matrix off
+    every grid costs little."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK:
+        return None
+    w = weight.detach().contiguous()
+    for bits in (4, 8):
+        if _codes(w[:_QUICK_ROWS], bits, kernels) is None:
+            continue
+        found = _codes(w, bits, kernels)
+        if found is not None:
+            return _pack(bits, *found, out_features=w.shape[0])
+    return None
+
+
+def _codes(
+    w: torch.Tensor, bits: int, kernels: NativeKernels
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """w [N, K] -> (q [N, K] int8, d [N, K/32], m [N, K/32] or None for Q8_0), or None."""
+    n, k = w.shape
+    blocks = w.reshape(-1, BLOCK)  # [B, 32]
+    if bits == 4:
+        m = blocks.amin(dim=1)
+        if not torch.equal(m.to(torch.float16).to(torch.float32), m):
+            return None
+        estimate, q_range = (blocks.amax(dim=1) - m) / 15, (0, 15)
+    else:
+        m, estimate, q_range = None, blocks.abs().amax(dim=1) / 127, (-127, 127)
+    found = kernels.grid_codes(w, _fp16_candidates(estimate), m, *q_range)
+    if found is None:
+        return None
+    q, d = found
+    return q, d.reshape(n, k // BLOCK), None if m is None else m.reshape(n, k // BLOCK)
+
+
+def _fp16_candidates(estimate: torch.Tensor) -> torch.Tensor:
+    """estimate [B] (>= 0) -> [B, 5] fp32: the fp16 numbers next to it, nearest first."""
+    bits = estimate.to(torch.float16).view(torch.int16).to(torch.int32)  # [B]
+    steps = torch.tensor(_ULP_STEPS, dtype=torch.int32)
+    near = (bits[:, None] + steps).clamp(0, 0x7BFF)  # positive, finite fp16
+    return near.to(torch.int16).view(torch.float16).to(torch.float32).contiguous()
+
+
+def _panels(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t [N, C] -> [P, C, 16]: panel p holds rows 16p..16p+15 as its last axis (zero past N)."""
+    padded = torch.zeros((rows, t.shape[1]), dtype=t.dtype)
+    padded[: t.shape[0]] = t
+    return padded.reshape(rows // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _pack(
+    bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, out_features: int
+) -> GridCodes:
+    rows = -(-out_features // PANEL) * PANEL
+    scale = _panels(d, rows)  # [P, K/32, 16]
+    offset = _panels(m, rows) if m is not None else None
+    if bits == 4:
+        q_panels = _panels(q.view(torch.uint8), rows)  # [P, K, 16], 0..15
+        codes = q_panels[..., :8] | (q_panels[..., 8:] << 4)  # [P, K, 8]
+    else:
+        codes = _panels(q, rows)  # [P, K, 16] int8
+    return GridCodes(bits, codes.contiguous(), scale, offset, out_features)
+
+
+def rows_of(grid: GridCodes, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the weight, [T, K] fp32, exactly as the kernel decodes them (a tied
+    lm_head serves the embedding lookup)."""
+    p, j = ids // PANEL, ids % PANEL
+    if grid.bits == 4:
+        byte = grid.codes[p, :, j % 8].to(torch.int32)  # [T, K]
+        q = torch.where((j >= 8)[:, None], byte >> 4, byte & 15).to(torch.float32)
+    else:
+        q = grid.codes[p, :, j].to(torch.float32)
+    d = grid.scale[p, :, j].repeat_interleave(BLOCK, dim=1)  # [T, K]
+    rows = torch.mul(q, d)
+    if grid.offset is not None:
+        rows = torch.add(rows, grid.offset[p, :, j].repeat_interleave(BLOCK, dim=1))
+    return rows
