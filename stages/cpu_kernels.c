@@ -883,11 +883,39 @@ void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N,
 #define ROUNDED(v) __asm__("" : "+r"(v))
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The 16 weights of row k of a panel: codes c, the block's scales s0 s1 and offsets o0 o1
+ * (lanes 0-7 and 8-15); lo, hi = fl(fl(d * q) + m) (has_offset) or fl(d * q). */
+static inline __attribute__((always_inline)) void decode16(int bits, const uint8_t *c, __m256 s0,
+                                                           __m256 s1, __m256 o0, __m256 o1,
+                                                           int has_offset, __m256 *lo,
+                                                           __m256 *hi) {
+    __m256 l, h;
+    if (bits == 4) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        l = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        h = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    } else {
+        l = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+        h = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
+    }
+    l = _mm256_mul_ps(l, s0);
+    h = _mm256_mul_ps(h, s1);
+    if (has_offset) {
+        ROUNDED(l);
+        ROUNDED(h);
+        l = _mm256_add_ps(l, o0);
+        h = _mm256_add_ps(h, o1);
+    }
+    *lo = l, *hi = h;
+}
+#endif
+
 /* codes of panel p -> buf [K, 16] fp32; fetches the next panel's codes and scales into L2
  * meanwhile (`next_*`, or NULL), a line every few k. */
-static void dequant_panel(int bits, const uint8_t *codes, const float *scale, const float *offset, int K,
-              float *buf, const char *next_codes, const char *next_scale,
-              const char *next_offset) {
+static void dequant_panel(int bits, const uint8_t *codes, const float *scale, const float *offset,
+                          int K, float *buf, const char *next_codes, const char *next_scale,
+                          const char *next_offset) {
     const int code_bytes = bits == 4 ? 8 : 16; /* per k */
     for (int kb = 0; kb < K / GRID_BLOCK; kb++) {
         const float *s = scale + kb * PANEL, *o = offset ? offset + kb * PANEL : NULL;
@@ -895,6 +923,10 @@ static void dequant_panel(int bits, const uint8_t *codes, const float *scale, co
             __builtin_prefetch(next_scale + kb * PANEL * 4, 0, 2);
             if (next_offset) __builtin_prefetch(next_offset + kb * PANEL * 4, 0, 2);
         }
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        const __m256 o0 = o ? _mm256_loadu_ps(o) : s0, o1 = o ? _mm256_loadu_ps(o + 8) : s1;
+#endif
         for (int k = kb * GRID_BLOCK; k < (kb + 1) * GRID_BLOCK; k++) {
             const uint8_t *c = codes + (int64_t)k * code_bytes;
             if (next_codes && (k * code_bytes) % 64 == 0)
@@ -902,23 +934,7 @@ static void dequant_panel(int bits, const uint8_t *codes, const float *scale, co
             float *w = buf + (int64_t)k * PANEL;
 #if defined(__AVX2__) && defined(__FMA__)
             __m256 lo, hi;
-            if (bits == 4) {
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-                lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-                hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-            } else {
-                lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
-                hi = _mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8))));
-            }
-            lo = _mm256_mul_ps(lo, _mm256_loadu_ps(s));
-            hi = _mm256_mul_ps(hi, _mm256_loadu_ps(s + 8));
-            if (o) {
-                ROUNDED(lo);
-                ROUNDED(hi);
-                lo = _mm256_add_ps(lo, _mm256_loadu_ps(o));
-                hi = _mm256_add_ps(hi, _mm256_loadu_ps(o + 8));
-            }
+            decode16(bits, c, s0, s1, o0, o1, o != NULL, &lo, &hi);
             _mm256_storeu_ps(w, lo);
             _mm256_storeu_ps(w + 8, hi);
 #else
@@ -932,6 +948,45 @@ static void dequant_panel(int bits, const uint8_t *codes, const float *scale, co
         }
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_GRID_ROW
+/* One row, the codes decoded straight into the FMAs (no buffer: a single row uses each weight
+ * once). The same four accumulator pairs, k mod 4, and the same final sums as panel_row, so the
+ * result is bit-identical to panel_row over the decoded panel. */
+static void grid_row(const float *x, int bits, const uint8_t *codes, const float *scale,
+                     const float *offset, int K, float *y, int cols, const char *next_codes) {
+    const int code_bytes = bits == 4 ? 8 : 16;
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    for (int kb = 0; kb < K / GRID_BLOCK; kb++) {
+        const float *s = scale + kb * PANEL, *o = offset ? offset + kb * PANEL : NULL;
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        const __m256 o0 = o ? _mm256_loadu_ps(o) : s0, o1 = o ? _mm256_loadu_ps(o + 8) : s1;
+        for (int k = kb * GRID_BLOCK; k < (kb + 1) * GRID_BLOCK; k += 4) {
+            const uint8_t *c = codes + (int64_t)k * code_bytes;
+            if (next_codes && (k * code_bytes) % 64 == 0)
+                __builtin_prefetch(next_codes + (int64_t)k * code_bytes, 0, 2);
+            __m256 lo, hi;
+            decode16(bits, c, s0, s1, o0, o1, o != NULL, &lo, &hi);
+            __m256 xk = _mm256_broadcast_ss(x + k);
+            a0 = _mm256_fmadd_ps(xk, lo, a0), b0 = _mm256_fmadd_ps(xk, hi, b0);
+            decode16(bits, c + code_bytes, s0, s1, o0, o1, o != NULL, &lo, &hi);
+            xk = _mm256_broadcast_ss(x + k + 1);
+            a1 = _mm256_fmadd_ps(xk, lo, a1), b1 = _mm256_fmadd_ps(xk, hi, b1);
+            decode16(bits, c + 2 * code_bytes, s0, s1, o0, o1, o != NULL, &lo, &hi);
+            xk = _mm256_broadcast_ss(x + k + 2);
+            a2 = _mm256_fmadd_ps(xk, lo, a2), b2 = _mm256_fmadd_ps(xk, hi, b2);
+            decode16(bits, c + 3 * code_bytes, s0, s1, o0, o1, o != NULL, &lo, &hi);
+            xk = _mm256_broadcast_ss(x + k + 3);
+            a3 = _mm256_fmadd_ps(xk, lo, a3), b3 = _mm256_fmadd_ps(xk, hi, b3);
+        }
+    }
+    float out[PANEL];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_add_ps(b0, b1), _mm256_add_ps(b2, b3)));
+    memcpy(y, out, sizeof(float) * cols);
+}
+#endif
 
 /* y[M, N] = x[M, K] @ W[N, K]^T for W held as grid codes (see above; bits 4 or 8). */
 int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, const float *offset,
@@ -950,8 +1005,17 @@ int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, co
         }
 #pragma omp for schedule(guided, 4)
         for (int p = 0; p < num_panels; p++) {
-            if (!buf) continue;
             const int has_next = p + 1 < num_panels;
+#ifdef HAVE_GRID_ROW
+            if (M == 1) {
+                const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+                grid_row(x, bits, codes + p * panel_codes, scale + p * panel_scales,
+                         offset ? offset + p * panel_scales : NULL, K, y + p * PANEL, cols,
+                         has_next ? (const char *)(codes + (p + 1) * panel_codes) : NULL);
+                continue;
+            }
+#endif
+            if (!buf) continue;
             dequant_panel(bits, codes + p * panel_codes, scale + p * panel_scales,
                           offset ? offset + p * panel_scales : NULL, K, buf,
                           has_next ? (const char *)(codes + (p + 1) * panel_codes) : NULL,

@@ -14,8 +14,9 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   checkpoint converted from GGUF, as the default model is) held as its codes, each panel decoded
   back into the same fp32 values just before it is multiplied (stages/grid.py): the same
   results as `CpuLinear`, from 5.3x (Q4_1) or 3.6x (Q8_0) fewer bytes. Over all of SmolLM2's
-  matmuls on the 2-core EPYC (medians of 7 alternated rounds): 1 row 36.7 -> 22.4 ms,
-  16 rows 68.7 -> 56.1, 64 rows 139.9 -> 130.8, 512 rows 1599 -> 1182.
+  matmuls on the 2-core EPYC (medians of 7 alternated rounds): 1 row 27.2 -> 12.6 ms (a
+  single row decodes the codes straight into its FMAs), 16 rows 68.7 -> 56.1, 64 rows 139.9
+  -> 130.8 and 176.3 -> 150.6, 512 rows 1599 -> 1182.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
