@@ -244,8 +244,8 @@ typedef struct {
     int lines_per_row, lines; /* lines of span_bytes in one row; of the whole page */
 } PagePrefetch;
 
-/* The empty asm keeps gcc from vectorizing these loops: its vectorizer drops prefetches, and
- * gcc 12 turned the contiguous loop into one that fetched nothing. */
+/* The empty asm keeps gcc from vectorizing the loop: its vectorizer drops prefetches, and gcc 12
+ * turned a plain loop of them into one that fetched nothing. */
 static inline void prefetch_slice(const PagePrefetch *pf, int call, int num_calls) {
     const int l0 = (int)((int64_t)pf->lines * call / num_calls);
     const int l1 = (int)((int64_t)pf->lines * (call + 1) / num_calls);
@@ -995,11 +995,16 @@ int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, co
     const int num_panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_codes = (int64_t)K * (bits == 4 ? 8 : 16);
     const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;
+#ifdef HAVE_GRID_ROW
+    const int buffered = M > 1; /* a single row decodes straight into its FMAs (grid_row) */
+#else
+    const int buffered = 1;
+#endif
     int failed = 0;
 #pragma omp parallel
     {
-        float *buf = aligned_alloc(64, sizeof(float) * PANEL * K);
-        if (!buf) {
+        float *buf = buffered ? aligned_alloc(64, sizeof(float) * PANEL * K) : NULL;
+        if (buffered && !buf) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -1007,7 +1012,7 @@ int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, co
         for (int p = 0; p < num_panels; p++) {
             const int has_next = p + 1 < num_panels;
 #ifdef HAVE_GRID_ROW
-            if (M == 1) {
+            if (!buffered) {
                 const int cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
                 grid_row(x, bits, codes + p * panel_codes, scale + p * panel_scales,
                          offset ? offset + p * panel_scales : NULL, K, y + p * PANEL, cols,

@@ -46,6 +46,32 @@ class GridCodes:
     offset: torch.Tensor | None  # fp32 [P, K / 32, 16] (4 bits), None (8 bits)
     out_features: int  # N
 
+    def __post_init__(self) -> None:
+        """The kernels read these tensors' raw memory, so their shapes and dtypes are checked
+        once, here (the dataclass is frozen), not on every call."""
+        panels = -(-self.out_features // PANEL)
+        k = self.codes.shape[1] if self.codes.dim() == 3 else -1
+        code_dtype, width = (torch.uint8, 8) if self.bits == 4 else (torch.int8, PANEL)
+        scales = (panels, k // BLOCK, PANEL)
+        tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
+        if (
+            self.bits not in (4, 8)
+            or k % BLOCK
+            or self.codes.dtype != code_dtype
+            or tuple(self.codes.shape) != (panels, k, width)
+            or tuple(self.scale.shape) != scales
+            or self.scale.dtype != torch.float32
+            or (self.offset is None) != (self.bits == 8)
+            or (self.offset is not None and tuple(self.offset.shape) != scales)
+            or (self.offset is not None and self.offset.dtype != torch.float32)
+            or not all(t.is_contiguous() and t.is_cpu for t in tensors)
+        ):
+            raise ValueError(f"grid codes do not fit K = {k} and N = {self.out_features}")
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]  # K
+
     @property
     def nbytes(self) -> int:
         tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])

@@ -176,20 +176,13 @@ class NativeKernels:
         values, and so the same result, as linear_f32 over W's fp32 panels."""
         x = x.contiguous()
         m, k = x.shape
-        _check_grid(grid, k)
+        if k != grid.in_features:  # the codes themselves were checked when they were made
+            raise ValueError(f"grid codes do not fit K = {k} and N = {grid.out_features}")
         if x.dtype != torch.float32:
             raise ValueError(f"linear_grid takes float32 x, got {x.dtype}")
         y = torch.empty(m, grid.out_features, dtype=torch.float32)
         status = self._lib.ppr_linear_grid(
-            x.data_ptr(),
-            grid.codes.data_ptr(),
-            grid.scale.data_ptr(),
-            None if grid.offset is None else grid.offset.data_ptr(),
-            y.data_ptr(),
-            m,
-            grid.out_features,
-            k,
-            grid.bits,
+            x.data_ptr(), *_grid_pointers(grid), y.data_ptr(), m, grid.out_features, k, grid.bits
         )
         if status != 0:
             raise RuntimeError("linear_grid could not allocate its panel buffers")
@@ -238,17 +231,10 @@ class NativeKernels:
 
     def unpack_grid(self, grid: GridCodes) -> torch.Tensor:
         """The fp32 panels [ceil(N / 16), K, 16] the codes stand for, decoded by the kernel."""
-        k = grid.codes.shape[1]
-        _check_grid(grid, k)
+        k = grid.in_features
         panels = torch.empty(grid.codes.shape[0], k, PANEL, dtype=torch.float32)
         self._lib.ppr_unpack_grid(
-            grid.codes.data_ptr(),
-            grid.scale.data_ptr(),
-            None if grid.offset is None else grid.offset.data_ptr(),
-            panels.data_ptr(),
-            grid.out_features,
-            k,
-            grid.bits,
+            *_grid_pointers(grid), panels.data_ptr(), grid.out_features, k, grid.bits
         )
         return panels
 
@@ -357,26 +343,10 @@ class NativeKernels:
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _check_grid(grid: GridCodes, k: int) -> None:
-    """The kernel reads the codes' raw memory: their shapes and dtypes must be grid.py's."""
-    panels = -(-grid.out_features // PANEL)
-    code_dtype, width = (torch.uint8, 8) if grid.bits == 4 else (torch.int8, PANEL)
-    scales = (panels, k // GRID_BLOCK, PANEL)
-    if (
-        k % GRID_BLOCK
-        or grid.codes.dtype != code_dtype
-        or tuple(grid.codes.shape) != (panels, k, width)
-        or tuple(grid.scale.shape) != scales
-        or grid.scale.dtype != torch.float32
-        or (grid.offset is None) != (grid.bits == 8)
-        or (grid.offset is not None and tuple(grid.offset.shape) != scales)
-        or not all(
-            t.is_contiguous() and t.is_cpu
-            for t in (grid.codes, grid.scale, grid.offset)
-            if t is not None
-        )
-    ):
-        raise ValueError(f"grid codes do not fit K = {k} and N = {grid.out_features}")
+def _grid_pointers(grid: GridCodes) -> tuple[int, int, int | None]:
+    """codes, scale and offset (None for Q8_0) of `grid`, as the kernels take them."""
+    offset = None if grid.offset is None else grid.offset.data_ptr()
+    return grid.codes.data_ptr(), grid.scale.data_ptr(), offset
 
 
 def _check(t: torch.Tensor, like: torch.Tensor) -> None:
