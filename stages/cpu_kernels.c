@@ -992,6 +992,7 @@ static void grid_row(const float *x, int bits, const uint8_t *codes, const float
 int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, const float *offset,
                     float *y, int M, int N, int K, int bits) {
     if (K % GRID_BLOCK || (bits != 4 && bits != 8)) return -1;
+    if (M <= 0) return 0; /* e.g. a split lm_head's share of a step that samples nothing */
     const int num_panels = (N + PANEL - 1) / PANEL;
     const int64_t panel_codes = (int64_t)K * (bits == 4 ? 8 : 16);
     const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;

@@ -62,6 +62,14 @@ def test_a_grid_weight_multiplies_exactly_as_its_fp32_panels(
     assert linear.grid.nbytes < dense.panels.numel() * 4 / 3  # fewer bytes than the panels
 
 
+def test_no_rows_multiply_to_an_empty_result(kernels: native.NativeKernels) -> None:
+    """A split lm_head's share of a step that samples nothing has no rows (this crashed)."""
+    for make in (q4_1_weight, q8_0_weight):
+        linear = make_linear(make(40, 64, seed=4), "none", kernels)
+        assert isinstance(linear, GridLinear)
+        assert linear(torch.randn(0, 64)).shape == (0, 40)
+
+
 def test_one_weight_off_the_grid_keeps_the_fp32_panels(kernels: native.NativeKernels) -> None:
     weight = q4_1_weight(64, 128, seed=1)
     weight[37, 77] = torch.nextafter(weight[37, 77], torch.tensor(1.0))  # one ulp off
