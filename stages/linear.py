@@ -17,6 +17,8 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   matmuls on the 2-core EPYC (medians of 7 alternated rounds): 1 row 27.2 -> 12.6 ms (a
   single row decodes the codes straight into its FMAs), 16 rows 68.7 -> 56.1, 64 rows 139.9
   -> 130.8 and 176.3 -> 150.6, 512 rows 1599 -> 1182.
+- `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): a few rows through
+  `cpu_kernels.c`'s vdpbf16ps kernel over the weight as held, more through oneDNN.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -54,6 +56,25 @@ class DenseLinear(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K]: a tied lm_head serves the embedding lookup."""
         return F.embedding(ids, self.weight)
+
+
+class CpuBf16Linear(DenseLinear):
+    """A bf16 weight on a CPU with AVX512_BF16: up to `KERNEL_MAX_ROWS` rows are multiplied by
+    ppring's kernel (vdpbf16ps over the weight as held, [N, K]), more by oneDNN. oneDNN streamed
+    the weight at 15-22 GB/s at one row; over all of SmolLM2's matmuls on a Zen 5 EPYC, 2
+    threads, medians of 7: 1 row 12.9 -> 7.6 ms, 2 rows 13.6 -> 8.0, 4 rows 13.2 -> 10.9 (the
+    copy bandwidth: 45 GB/s). Same sums in fp32, rounded once to bf16."""
+
+    KERNEL_MAX_ROWS = 4
+
+    def __init__(self, weight: torch.Tensor | nn.Parameter, kernels: NativeKernels) -> None:
+        super().__init__(weight.contiguous())
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.KERNEL_MAX_ROWS:
+            return self.kernels.linear_bf16(x, self.weight)  # [T, K] -> [T, N]
+        return F.linear(x, self.weight)
 
 
 class CpuLinear(nn.Module):
@@ -158,6 +179,9 @@ def make_linear(
         return Int8Linear(weight, kernels)
     if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return grid_linear(weight, kernels) or CpuLinear(weight, kernels)
+    if kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        if kernels.bf16_dot:
+            return CpuBf16Linear(weight, kernels)
     return DenseLinear(weight)
 
 

@@ -80,6 +80,11 @@ class NativeKernels:
         lib.ppr_grid_codes.argtypes += [ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_has_bf16_dot.restype = ctypes.c_int
+        # vdpbf16ps: the bf16 matmuls of a few rows run here instead of in oneDNN
+        self.bf16_dot = bool(lib.ppr_has_bf16_dot())
+        lib.ppr_linear_bf16.restype = ctypes.c_int
+        lib.ppr_linear_bf16.argtypes = [_vp] * 3 + [ctypes.c_int] * 3
         lib.ppr_add_rms_norm.restype = None
         lib.ppr_add_rms_norm.argtypes = (
             [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -250,6 +255,28 @@ class NativeKernels:
         self._lib.ppr_linear_int8(
             x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k
         )
+        return y
+
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T -> [M, N], all bf16, summed in fp32 and rounded once (as
+        F.linear's bf16 result is). Only where `bf16_dot` (AVX512_BF16); meant for a few rows:
+        the weight is read once per 4 rows of x."""
+        x = x.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        if (
+            x.dtype is not torch.bfloat16
+            or weight.dtype is not torch.bfloat16
+            or weight.dim() != 2
+            or weight.shape[1] != k
+            or not weight.is_contiguous()
+        ):
+            raise ValueError(
+                f"linear_bf16 takes bf16 x [M, K] and a contiguous bf16 weight [N, K]; got x "
+                f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            )
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        if self._lib.ppr_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k):
+            raise RuntimeError("these kernels were built without AVX512_BF16: use F.linear")
         return y
 
     def add_rms_norm(

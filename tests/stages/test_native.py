@@ -4,7 +4,9 @@ path (one row, pairs of rows, odd tails; head_dim a multiple of 8 or not), fp32 
 from __future__ import annotations
 
 import math
+import platform
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,21 +16,42 @@ from stages import native
 from stages.batch import BLOCK_SIZE
 from stages.ops import NativeOps, TorchOps
 
+# AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
+# has AVX-512 (where -march=native takes the AVX-512 paths instead).
+AVX2_CFLAGS = (*native.PORTABLE_CFLAGS, "-mavx2", "-mfma", "-mf16c")
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+
+def build_kernels(flags: tuple[str, ...], folder: Path) -> native.NativeKernels:
+    compiler = native.find_compiler()
+    assert compiler is not None
+    return native.NativeKernels(native.compile_kernels(folder / "cpu_kernels.so", compiler, flags))
+
+
+@pytest.fixture(scope="module", params=["native", "portable", "avx2"])
 def kernels(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> native.NativeKernels:
-    """The kernels as a stage builds them (-march=native: AVX2 where the CPU has it), and built
-    for the compiler's baseline, so the portable C paths are checked on every machine."""
+    """The kernels as a stage builds them (-march=native: AVX2 or AVX-512 where the CPU has
+    them), built for the compiler's baseline (the portable C paths), and for AVX2 alone where
+    the CPU runs it, so each level's paths are checked on every machine that can run them."""
     if request.param == "native":
         built = native.kernels()
         assert built is not None, native.unavailable_reason()  # CI has gcc: they must build
         return built
-    compiler = native.find_compiler()
-    assert compiler is not None
-    target = tmp_path_factory.mktemp("portable") / "cpu_kernels.so"
-    return native.NativeKernels(native.compile_kernels(target, compiler, native.PORTABLE_CFLAGS))
+    if request.param == "avx2":
+        if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma"):
+            pytest.skip("this CPU does not run AVX2 + FMA")
+        return build_kernels(AVX2_CFLAGS, tmp_path_factory.mktemp("avx2"))
+    return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return set(flags) <= set(line.split(":", 1)[-1].split())
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (7, 9), (5, 33), (9, 100), (33, 17)])
@@ -60,6 +83,26 @@ def test_linear_int8_matches_its_dequantized_weights(
         got = kernels.linear_int8(x, qweight, scale)
         # activations are rounded to int16 per row: relative error ~ 2^-15 of the row's max
         assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 33), (13, 2048)])
+def test_linear_bf16_matches_f_linear(kernels: native.NativeKernels, n: int, k: int) -> None:
+    # vdpbf16ps: K tails (lanes past K load as zeros), N not a multiple of 4, 1-9 rows (passes
+    # of up to 4 rows); the sums are fp32, each result rounded once, as F.linear's
+    if not kernels.bf16_dot:
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            kernels.linear_bf16(torch.ones(1, k, dtype=torch.bfloat16), torch.ones(n, k).bfloat16())
+        return
+    torch.manual_seed(n * k)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    for m in range(1, 10):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        exact = F.linear(x.double(), weight.double())
+        got = kernels.linear_bf16(x, weight)
+        assert got.shape == (m, n) and got.dtype == torch.bfloat16
+        # one bf16 rounding of an fp32 sum: within 2^-8 relative, plus the fp32 sum's error
+        error = (got.double() - exact).abs()
+        assert (error <= exact.abs() * 2**-8 + 1e-5 * math.sqrt(k)).all(), f"{m} rows"
 
 
 def reference_attention(
@@ -198,3 +241,47 @@ def test_cpu_linear_matches_f_linear_and_serves_its_rows(kernels: native.NativeK
         assert (linear(x) - F.linear(x, weight)).abs().max().item() < 1e-4, f"{rows} rows"
     ids = torch.tensor([0, 69, 15, 16, 33, 0])
     assert torch.equal(linear.rows(ids), F.embedding(ids, weight))  # a tied embedding's lookup
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
+    return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("scalar"))
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_bf16_small_ops_round_as_the_scalar_code_does(
+    kernels: native.NativeKernels, portable_kernels: native.NativeKernels, head_dim: int
+) -> None:
+    # The vector paths (8 lanes) round to bf16 exactly where the scalar code does, so a stage
+    # computes the same bf16 values on every CPU; rows of 100 leave a tail of 4 to the scalar
+    # loop, and NaN stays NaN.
+    torch.manual_seed(head_dim)
+    vec, ref = NativeOps(kernels), NativeOps(portable_kernels)
+    num_tokens, hidden = 9, 100
+    h = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    residual = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    h[3, 5] = float("nan")
+    weight = torch.rand(hidden).to(torch.bfloat16)
+    (x1, r1), (x2, r2) = (
+        vec.add_rms_norm(h, residual, weight, 1e-5),
+        ref.add_rms_norm(h, residual, weight, 1e-5),
+    )
+    assert torch.equal(r1.isnan(), r2.isnan()) and torch.equal(r1.nan_to_num(), r2.nan_to_num())
+    ok = ~x2.isnan().any(dim=1)  # the sum of squares is summed in another order: an ulp apart
+    assert (x1[ok].float() - x2[ok].float()).abs().max().item() <= 2**-7 * x2[
+        ok
+    ].float().abs().max()
+    gate_up = (4 * torch.randn(num_tokens, 2 * hidden)).to(torch.bfloat16)
+    assert torch.equal(vec.silu_mul(gate_up), ref.silu_mul(gate_up))
+
+    heads, kv_heads = 6, 2
+    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 1000, 7])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    slots = torch.randperm(32)[:num_tokens]
+    kv1 = torch.zeros(2, 32, kv_heads, head_dim, dtype=torch.bfloat16)
+    kv2 = kv1.clone()
+    tables = vec.rope_tables(positions, inv_freq, torch.bfloat16)
+    q1 = vec.rope_store(qkv, *tables, slots, kv1, heads)
+    q2 = ref.rope_store(qkv, *tables, slots, kv2, heads)
+    assert torch.equal(q1, q2) and torch.equal(kv1, kv2)
