@@ -1523,15 +1523,15 @@ static inline __attribute__((always_inline)) void bf16_quad(const int MR, const 
 
 int ppr_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
     const int num_quads = (N + 3) / 4;
-    for (int m0 = 0; m0 < M; m0 += BF16_MAX_ROWS) {
-        const int mr = M - m0 < BF16_MAX_ROWS ? M - m0 : BF16_MAX_ROWS;
-        const uint16_t *xm = x + (int64_t)m0 * K;
-        uint16_t *ym = y + (int64_t)m0 * N;
 #pragma omp parallel for schedule(guided, 8)
-        for (int qd = 0; qd < num_quads; qd++) {
-            const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
-            prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K * 2);
-            switch (mr) {
+    for (int qd = 0; qd < num_quads; qd++) {
+        const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
+        prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K * 2);
+        /* every 4 rows of x against this quad: after the first, its weights come from L1 */
+        for (int m0 = 0; m0 < M; m0 += BF16_MAX_ROWS) {
+            const uint16_t *xm = x + (int64_t)m0 * K;
+            uint16_t *ym = y + (int64_t)m0 * N;
+            switch (M - m0 < BF16_MAX_ROWS ? M - m0 : BF16_MAX_ROWS) {
             case 1: bf16_quad(1, xm, w, ym, N, K, 4 * qd, rows); break;
             case 2: bf16_quad(2, xm, w, ym, N, K, 4 * qd, rows); break;
             case 3: bf16_quad(3, xm, w, ym, N, K, 4 * qd, rows); break;

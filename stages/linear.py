@@ -63,9 +63,12 @@ class CpuBf16Linear(DenseLinear):
     ppring's kernel (vdpbf16ps over the weight as held, [N, K]), more by oneDNN. oneDNN streamed
     the weight at 15-22 GB/s at one row; over all of SmolLM2's matmuls on a Zen 5 EPYC, 2
     threads, medians of 7: 1 row 12.9 -> 7.6 ms, 2 rows 13.6 -> 8.0, 4 rows 13.2 -> 10.9 (the
-    copy bandwidth: 45 GB/s). Same sums in fp32, rounded once to bf16."""
+    copy bandwidth: 45 GB/s). Half the model on one thread (a PP=2 stage): 4 rows 10.0 -> 6.4,
+    8 rows 14.2 -> 10.1, but 11 rows 12.2 against 14.2 and 16 rows 14.0 against 20.0: the
+    kernel sums each output's 32 lanes at the end, and from about 10 rows that costs more than
+    oneDNN's blocked kernel. Same sums in fp32, rounded once to bf16."""
 
-    KERNEL_MAX_ROWS = 4
+    KERNEL_MAX_ROWS = 8
 
     def __init__(self, weight: torch.Tensor | nn.Parameter, kernels: NativeKernels) -> None:
         super().__init__(weight.contiguous())
