@@ -1,5 +1,7 @@
 /* ppring's CPU kernels: attention that reads the paged KV cache in place, fp32 matmuls over
- * weights packed in panels, and the matrix-vector products of weight-only int8.
+ * weights packed in panels, the matrix-vector products of weight-only int8, bf16 matmuls of a
+ * few rows (vdpbf16ps, where the CPU has AVX512_BF16), and a layer's small ops. Each has a
+ * portable C path; AVX2 and AVX-512 paths where -march=native enables them.
  *
  * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes with the data pointers of contiguous tensors; nothing here allocates a tensor or holds a
@@ -1480,13 +1482,8 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
 }
 
 
-/* bf16 matmuls of a few rows, y[M, N] = x[M, K] @ W[N, K]^T, on the weight as the stage holds
- * it ([N, K] bf16, no second copy): vdpbf16ps multiplies bf16 pairs exactly and sums them in
- * fp32, and y is rounded to bf16 once, as oneDNN's matmul does. A few rows cost what reading
- * the weight costs, and oneDNN read it at 18-22 GB/s at one row on a Zen 5 EPYC (15.4 ms for a
- * SmolLM2 step's matmuls; its weight-read bound was 6 ms). Four weight rows at a time, each
- * loaded 32 values at once and used by every row of x; the next four are prefetched. Returns
- * -1 where the CPU (or the build) has no AVX512_BF16: the caller uses torch. */
+/* 1 where this build multiplies bf16 with vdpbf16ps (AVX512_BF16): the stage then packs its
+ * bf16 weights for ppr_linear_bf16; elsewhere bf16 matmuls are torch's (oneDNN). */
 int ppr_has_bf16_dot(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     return 1;
@@ -1495,55 +1492,98 @@ int ppr_has_bf16_dot(void) {
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define BF16_MAX_ROWS 4 /* rows of x per pass over the weight: 4 x 4 accumulators */
-
-static inline __attribute__((always_inline)) void bf16_quad(const int MR, const uint16_t *x,
-                                                            const uint16_t *w, uint16_t *y,
-                                                            int N, int K, int n0, int rows) {
-    __m512 acc[BF16_MAX_ROWS][4];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < 4; r++) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t *wr[4];
-    for (int r = 0; r < 4; r++) wr[r] = w + (int64_t)(n0 + (r < rows ? r : rows - 1)) * K;
-    for (int k = 0; k < K; k += 32) {
-        /* the tail of a row: lanes past K load as zeros, and zero times anything adds nothing */
-        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
-        __m512bh wv[4], xv[BF16_MAX_ROWS];
-        for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, wr[r] + k);
-        for (int m = 0; m < MR; m++)
-            xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (int64_t)m * K + k);
-        for (int m = 0; m < MR; m++)
-            for (int r = 0; r < 4; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv[r]);
-    }
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < rows; r++)
-            y[(int64_t)m * N + n0 + r] = bf16_store(_mm512_reduce_add_ps(acc[m][r]));
+/* bf16 matmuls, y[M, N] = x[M, K] @ W[N, K]^T: vdpbf16ps multiplies bf16 pairs exactly and
+ * sums them in fp32; each y is rounded to bf16 once, as oneDNN's matmul does. The weight is
+ * packed once, at load, in panels of 16 output channels with each K pair of a channel
+ * adjacent, panels[p][kp][j][e] = w[16 p + j][2 kp + e] (zeros past N and K): one (panel,
+ * pair) is 32 bf16, one 64-byte line, one vector. The micro-kernel broadcasts a pair of x
+ * (32 bits) against it and accumulates 16 outputs in fp32, so no output is summed across
+ * lanes. A row's sums run in the same order whatever the number of rows, so a sequence's
+ * result does not depend on what it is batched with (oneDNN picks its kernel by M).
+ * Against oneDNN on a Zen 5 EPYC, every SmolLM2 matmul of a step: 2 threads, 1 row 13.8 ->
+ * 7.9 ms (oneDNN streamed the weights at 15-22 GB/s), 32 rows 22.8 -> 18.4, 64 rows 33.7 ->
+ * 27.8, 512 rows 221 -> 187; half the model on one thread (a PP=2 stage), 11 rows 14.1 ->
+ * 11.2, 16 rows 14.5 -> 12.0. A row-major kernel without packing (four weight rows, 32 lanes
+ * summed per output at the end) matched this at one row and lost to oneDNN from 10 rows. */
+void ppr_pack_bf16(const uint16_t *w, uint16_t *panels, int N, int K) {
+    const int K2 = (K + 1) / 2, num_panels = (N + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < num_panels; p++)
+        for (int kp = 0; kp < K2; kp++)
+            for (int j = 0; j < 16; j++)
+                for (int e = 0; e < 2; e++) {
+                    const int n = 16 * p + j, k = 2 * kp + e;
+                    panels[(((int64_t)p * K2 + kp) * 16 + j) * 2 + e] =
+                        n < N && k < K ? w[(int64_t)n * K + k] : 0;
+                }
 }
 
-int ppr_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
-    const int num_quads = (N + 3) / 4;
-#pragma omp parallel for schedule(guided, 8)
-    for (int qd = 0; qd < num_quads; qd++) {
-        const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
-        prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K * 2);
-        /* every 4 rows of x against this quad: after the first, its weights come from L1 */
-        for (int m0 = 0; m0 < M; m0 += BF16_MAX_ROWS) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PB_MR 8 /* rows of x per micro-kernel call: 8 x 2 panels = 16 accumulators */
+
+/* y rows [0, MR) x panels p0, p0 + 1 (np of them: 1 or 2) */
+static inline __attribute__((always_inline)) void pb_micro(const int MR, const uint16_t *x,
+                                                           const uint16_t *panels, uint16_t *y,
+                                                           int N, int K, int p0, int np) {
+    const int K2 = (K + 1) / 2, kfull = K / 2; /* pairs with both halves inside the row */
+    const __m512bh *w0 = (const __m512bh *)(panels + (int64_t)p0 * K2 * 32);
+    const __m512bh *w1 = np > 1 ? w0 + K2 : w0;
+    __m512 acc[PB_MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int kp = 0; kp < K2; kp++) {
+        const __m512bh a = w0[kp], b = w1[kp];
+        for (int m = 0; m < MR; m++) {
+            const uint16_t *xp = x + (int64_t)m * K + 2 * kp;
+            int32_t pair;
+            if (kp < kfull)
+                memcpy(&pair, xp, 4);
+            else
+                pair = xp[0]; /* K odd: the last pair's second half is the panels' zero */
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, a);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, b);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int q = 0; q < np; q++) {
+            const int n0 = 16 * (p0 + q);
+            const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
+        }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W^T in bf16 for W packed by ppr_pack_bf16. Returns -1 without
+ * AVX512_BF16 (ppr_has_bf16_dot). Work is split over pairs of panels; each pair streams from memory once and
+ * every block of 8 rows reuses it from cache. */
+int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int M, int N,
+                    int K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
+    const int64_t unit_bytes = (int64_t)2 * ((K + 1) / 2) * 64;
+#pragma omp parallel for schedule(guided, 2)
+    for (int u = 0; u < num_units; u++) {
+        const int np = num_panels - 2 * u < 2 ? num_panels - 2 * u : 2;
+        prefetch_next_quad(panels, u, num_units, unit_bytes);
+        for (int m0 = 0; m0 < M; m0 += PB_MR) {
             const uint16_t *xm = x + (int64_t)m0 * K;
             uint16_t *ym = y + (int64_t)m0 * N;
-            switch (M - m0 < BF16_MAX_ROWS ? M - m0 : BF16_MAX_ROWS) {
-            case 1: bf16_quad(1, xm, w, ym, N, K, 4 * qd, rows); break;
-            case 2: bf16_quad(2, xm, w, ym, N, K, 4 * qd, rows); break;
-            case 3: bf16_quad(3, xm, w, ym, N, K, 4 * qd, rows); break;
-            default: bf16_quad(4, xm, w, ym, N, K, 4 * qd, rows); break;
+            switch (M - m0 < PB_MR ? M - m0 : PB_MR) {
+            case 1: pb_micro(1, xm, panels, ym, N, K, 2 * u, np); break;
+            case 2: pb_micro(2, xm, panels, ym, N, K, 2 * u, np); break;
+            case 3: pb_micro(3, xm, panels, ym, N, K, 2 * u, np); break;
+            case 4: pb_micro(4, xm, panels, ym, N, K, 2 * u, np); break;
+            case 5: pb_micro(5, xm, panels, ym, N, K, 2 * u, np); break;
+            case 6: pb_micro(6, xm, panels, ym, N, K, 2 * u, np); break;
+            case 7: pb_micro(7, xm, panels, ym, N, K, 2 * u, np); break;
+            default: pb_micro(8, xm, panels, ym, N, K, 2 * u, np); break;
             }
         }
     }
     return 0;
-}
 #else
-int ppr_linear_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int M, int N, int K) {
-    (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
+    (void)x, (void)panels, (void)y, (void)M, (void)N, (void)K;
     return -1;
-}
 #endif
+}

@@ -17,8 +17,9 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   matmuls on the 2-core EPYC (medians of 7 alternated rounds): 1 row 27.2 -> 12.6 ms (a
   single row decodes the codes straight into its FMAs), 16 rows 68.7 -> 56.1, 64 rows 139.9
   -> 130.8 and 176.3 -> 150.6, 512 rows 1599 -> 1182.
-- `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): a few rows through
-  `cpu_kernels.c`'s vdpbf16ps kernel over the weight as held, more through oneDNN.
+- `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): the weight packed for
+  vdpbf16ps and multiplied by `cpu_kernels.c` at every row count (faster than oneDNN at each,
+  and a row's result does not depend on what it is batched with).
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -58,26 +59,33 @@ class DenseLinear(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class CpuBf16Linear(DenseLinear):
-    """A bf16 weight on a CPU with AVX512_BF16: up to `KERNEL_MAX_ROWS` rows are multiplied by
-    ppring's kernel (vdpbf16ps over the weight as held, [N, K]), more by oneDNN. oneDNN streamed
-    the weight at 15-22 GB/s at one row; over all of SmolLM2's matmuls on a Zen 5 EPYC, 2
-    threads, medians of 7: 1 row 12.9 -> 7.6 ms, 2 rows 13.6 -> 8.0, 4 rows 13.2 -> 10.9 (the
-    copy bandwidth: 45 GB/s). Half the model on one thread (a PP=2 stage): 4 rows 10.0 -> 6.4,
-    8 rows 14.2 -> 10.1, but 11 rows 12.2 against 14.2 and 16 rows 14.0 against 20.0: the
-    kernel sums each output's 32 lanes at the end, and from about 10 rows that costs more than
-    oneDNN's blocked kernel. Same sums in fp32, rounded once to bf16."""
+class CpuBf16Linear(nn.Module):
+    """A bf16 weight on a CPU with AVX512_BF16, packed once at load for vdpbf16ps (panels of 16
+    output channels, K pairs adjacent; the only copy held) and multiplied by `cpu_kernels.c`
+    at every row count: faster than oneDNN at each one measured (1 row 13.8 -> 7.9 ms over a
+    SmolLM2 step's matmuls, 32 rows 22.8 -> 18.4, 512 rows 221 -> 187), and a row's result does
+    not depend on the rows batched with it."""
 
-    KERNEL_MAX_ROWS = 8
-
-    def __init__(self, weight: torch.Tensor | nn.Parameter, kernels: NativeKernels) -> None:
-        super().__init__(weight.contiguous())
+    def __init__(self, weight: torch.Tensor, kernels: NativeKernels) -> None:
+        super().__init__()
         self.kernels = kernels
+        self.out_features, self.in_features = weight.shape  # N, K
+        # [ceil(N/16), ceil(K/2), 16, 2]
+        self.register_buffer("panels", kernels.pack_bf16(weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.KERNEL_MAX_ROWS:
-            return self.kernels.linear_bf16(x, self.weight)  # [T, K] -> [T, N]
-        return F.linear(x, self.weight)
+        return self.kernels.linear_bf16(x, self.panels, self.out_features)  # [T, K] -> [T, N]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, [T, K] (a tied lm_head serves the embedding lookup)."""
+        rows = self.panels[ids // PANEL, :, ids % PANEL]  # [T, ceil(K/2), 2]
+        return rows.reshape(ids.shape[0], -1)[:, : self.in_features]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [N, K] back from its panels (for tools that compare with F.linear)."""
+        n_panels, pairs = self.panels.shape[:2]
+        weight = self.panels.permute(0, 2, 1, 3).reshape(n_panels * PANEL, pairs * 2)
+        return weight[: self.out_features, : self.in_features].contiguous()
 
 
 class CpuLinear(nn.Module):

@@ -81,8 +81,10 @@ class NativeKernels:
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
         lib.ppr_has_bf16_dot.restype = ctypes.c_int
-        # vdpbf16ps: the bf16 matmuls of a few rows run here instead of in oneDNN
+        # vdpbf16ps: a bf16 stage's matmuls run here (ppr_linear_bf16) instead of in oneDNN
         self.bf16_dot = bool(lib.ppr_has_bf16_dot())
+        lib.ppr_pack_bf16.restype = None
+        lib.ppr_pack_bf16.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_bf16.restype = ctypes.c_int
         lib.ppr_linear_bf16.argtypes = [_vp] * 3 + [ctypes.c_int] * 3
         lib.ppr_add_rms_norm.restype = None
@@ -257,25 +259,37 @@ class NativeKernels:
         )
         return y
 
-    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ weight [N, K]^T -> [M, N], all bf16, summed in fp32 and rounded once (as
-        F.linear's bf16 result is). Only where `bf16_dot` (AVX512_BF16); meant for a few rows:
-        the weight is read once per 4 rows of x."""
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bf16 -> panels [ceil(N / 16), ceil(K / 2), 16, 2]: panels[p, i, j, e] =
+        weight[16p + j, 2i + e], zero past N and K; the layout `linear_bf16` reads."""
+        if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError("pack_bf16 takes a bfloat16 CPU weight [N, K]")
+        weight = weight.contiguous()
+        n, k = weight.shape
+        panels = torch.empty(-(-n // PANEL), -(-k // 2), PANEL, 2, dtype=torch.bfloat16)
+        self._lib.ppr_pack_bf16(weight.data_ptr(), panels.data_ptr(), n, k)
+        return panels
+
+    def linear_bf16(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N], bf16, for W [N, K] packed by `pack_bf16`; sums in fp32,
+        each result rounded once. Only where `bf16_dot` (AVX512_BF16)."""
         x = x.contiguous()
-        (m, k), n = x.shape, weight.shape[0]
+        m, k = x.shape
         if (
             x.dtype is not torch.bfloat16
-            or weight.dtype is not torch.bfloat16
-            or weight.dim() != 2
-            or weight.shape[1] != k
-            or not weight.is_contiguous()
+            or panels.dtype is not torch.bfloat16
+            or tuple(panels.shape) != (-(-out_features // PANEL), -(-k // 2), PANEL, 2)
+            or not panels.is_contiguous()
         ):
             raise ValueError(
-                f"linear_bf16 takes bf16 x [M, K] and a contiguous bf16 weight [N, K]; got x "
-                f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+                f"linear_bf16 takes bf16 x [M, K] and panels [ceil(N / {PANEL}), "
+                f"ceil(K / 2), {PANEL}, 2] from pack_bf16; got x {tuple(x.shape)} {x.dtype}, "
+                f"panels {tuple(panels.shape)} {panels.dtype} for N = {out_features}"
             )
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        if self._lib.ppr_linear_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, n, k):
+        y = torch.empty(m, out_features, dtype=torch.bfloat16)
+        if self._lib.ppr_linear_bf16(
+            x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, out_features, k
+        ):
             raise RuntimeError("these kernels were built without AVX512_BF16: use F.linear")
         return y
 

@@ -39,7 +39,8 @@ def test_random_model_has_the_preset_shape_and_a_tokenizer_of_its_vocabulary(ran
 def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model, tmp_path):
     code = step_bench.main(
         [
-            "--model", str(random_model), "--batch-sizes", "1,3", "--context", "20",
+            "--model", str(random_model), "--dtype", "float32", "--batch-sizes", "1,3",
+            "--context", "20",
             "--steps", "3", "--threads", "1", "--copy-mib", "16", "--out", str(tmp_path),
         ]
     )  # fmt: skip

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from stages import native
 from stages.batch import BLOCK_SIZE
+from stages.linear import CpuBf16Linear
 from stages.ops import NativeOps, TorchOps
 
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
@@ -85,24 +86,37 @@ def test_linear_int8_matches_its_dequantized_weights(
         assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
 
 
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 33), (13, 2048)])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 33), (40, 2048)])
 def test_linear_bf16_matches_f_linear(kernels: native.NativeKernels, n: int, k: int) -> None:
-    # vdpbf16ps: K tails (lanes past K load as zeros), N not a multiple of 4, 1-9 rows (passes
-    # of up to 4 rows); the sums are fp32, each result rounded once, as F.linear's
-    if not kernels.bf16_dot:
-        with pytest.raises(RuntimeError, match="AVX512_BF16"):
-            kernels.linear_bf16(torch.ones(1, k, dtype=torch.bfloat16), torch.ones(n, k).bfloat16())
-        return
+    # vdpbf16ps over packed panels: K odd (the last pair half padding), N not a multiple of
+    # 16 or of 32 (a lone panel; masked stores), 1-17 rows (blocks of up to 8 and their tails);
+    # the sums are fp32, each result rounded once, as F.linear's
     torch.manual_seed(n * k)
     weight = torch.randn(n, k).to(torch.bfloat16)
-    for m in range(1, 10):
+    panels = kernels.pack_bf16(weight)
+    assert panels.shape == (-(-n // 16), -(-k // 2), 16, 2)
+    linear = CpuBf16Linear(weight, kernels)
+    assert torch.equal(linear.dense_weight(), weight)
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(linear.rows(ids), weight[ids])  # a tied embedding's lookup
+    if not kernels.bf16_dot:
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            kernels.linear_bf16(torch.ones(1, k, dtype=torch.bfloat16), panels, n)
+        return
+    rows = {}
+    for m in [*range(1, 10), 16, 17]:
         x = torch.randn(m, k).to(torch.bfloat16)
         exact = F.linear(x.double(), weight.double())
-        got = kernels.linear_bf16(x, weight)
+        got = kernels.linear_bf16(x, panels, n)
         assert got.shape == (m, n) and got.dtype == torch.bfloat16
         # one bf16 rounding of an fp32 sum: within 2^-8 relative, plus the fp32 sum's error
         error = (got.double() - exact).abs()
         assert (error <= exact.abs() * 2**-8 + 1e-5 * math.sqrt(k)).all(), f"{m} rows"
+        rows[m] = (x, got)
+    # a row's result does not depend on the rows around it
+    x17, y17 = rows[17]
+    for m in (1, 3, 8, 9):
+        assert torch.equal(kernels.linear_bf16(x17[m : 2 * m], panels, n), y17[m : 2 * m])
 
 
 def reference_attention(
