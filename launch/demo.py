@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n\n[{done.finish_reason}] {done.completion_tokens} tokens; TTFT "
             f"{done.ttft_s * 1000:.0f} ms, TPOT {done.tpot_s * 1000:.0f} ms (2 stages, 1 thread "
-            "each, fp32 on CPU)",
+            "each, on CPU, in the dtype the summary above names)",
             flush=True,
         )
         return 0

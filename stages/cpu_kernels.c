@@ -795,6 +795,42 @@ static inline void dot1x4_i8_q16(const int16_t *x, const int8_t *const *w, int K
         for (int kk = K32; kk < K; kk++) out[r] += (float)(x[kk] * w[r][kk]);
     }
 }
+
+/* Four int16 rows of x against four int8 weight rows (a prefill's rows): 16 sums of 32 lanes,
+ * with AVX512_VNNI's vpdpwssd where the CPU has it; the 16 results come out of one transposing
+ * add tree. Rows past num_x repeat the last (their results are dropped). The AVX2 kernel took
+ * two rows of x per pass. */
+static inline void dot4x4_i8_q16(const int16_t *const *xs, const int8_t *const *w, int K,
+                                 float out[16]) {
+    __m512 f[16];
+    for (int i = 0; i < 16; i++) f[i] = _mm512_setzero_ps();
+    const int K32 = K / 32 * 32;
+    int k = 0;
+    while (k < K32) {
+        const int end = k + 32 * I8_FLUSH < K32 ? k + 32 * I8_FLUSH : K32;
+        __m512i a[16];
+        for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_si512();
+        for (; k < end; k += 32) {
+            __m512i wv[4];
+            for (int r = 0; r < 4; r++)
+                wv[r] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w[r] + k)));
+            for (int m = 0; m < 4; m++) {
+                const __m512i xv = _mm512_loadu_si512(xs[m] + k);
+                for (int r = 0; r < 4; r++)
+#ifdef __AVX512VNNI__
+                    a[4 * m + r] = _mm512_dpwssd_epi32(a[4 * m + r], xv, wv[r]);
+#else
+                    a[4 * m + r] = _mm512_add_epi32(a[4 * m + r], _mm512_madd_epi16(xv, wv[r]));
+#endif
+            }
+        }
+        for (int i = 0; i < 16; i++) f[i] = _mm512_add_ps(f[i], _mm512_cvtepi32_ps(a[i]));
+    }
+    _mm512_storeu_ps(out, hsum16x16(f)); /* out[4 m + r] */
+    for (int m = 0; m < 4; m++)
+        for (int r = 0; r < 4; r++)
+            for (int kk = K32; kk < K; kk++) out[4 * m + r] += (float)(xs[m][kk] * w[r][kk]);
+}
 #endif
 
 /* y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N]: weight-only int8, one fp32 scale per output
@@ -802,23 +838,40 @@ static inline void dot1x4_i8_q16(const int16_t *x, const int8_t *const *w, int K
  * Each row of x is first rounded to int16 with its own scale (max |x| / 32767: a relative
  * step of 2^-15 of the row's largest value, finer than bf16's 2^-8 mantissa), so the products
  * run in integers; y = sum * x_scale * w_scale. */
-void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, int M, int N,
-                     int K) {
+/* y[i] = v in fp32 or bf16 (elem_bytes 4 or 2): a bf16 stage's int8 matmul reads and writes
+ * bf16 itself, instead of two torch conversions around every call */
+static inline void put_y(void *y, int64_t i, float v, int elem_bytes) {
+    if (elem_bytes == 4)
+        ((float *)y)[i] = v;
+    else
+        ((uint16_t *)y)[i] = bf16_store(v);
+}
+
+static inline float get_x(const void *x, int64_t i, int elem_bytes) {
+    return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
+}
+
+void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float *scale, void *y,
+                     int M, int N, int K) {
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
     float *x_scale = malloc(sizeof(float) * (size_t)M);
     if (!xq || !x_scale) {
         free(xq);
         free(x_scale);
-        for (int64_t i = 0; i < (int64_t)M * N; i++) y[i] = NAN; /* loud, never silent */
+        for (int64_t i = 0; i < (int64_t)M * N; i++) put_y(y, i, NAN, elem_bytes); /* loud */
         return;
     }
     for (int mi = 0; mi < M; mi++) {
-        const float *xm = x + (int64_t)mi * K;
+        const int64_t row = (int64_t)mi * K;
         float amax = 0.0f;
-        for (int k = 0; k < K; k++) amax = fabsf(xm[k]) > amax ? fabsf(xm[k]) : amax;
+        for (int k = 0; k < K; k++) {
+            const float v = fabsf(get_x(x, row + k, elem_bytes));
+            amax = v > amax ? v : amax;
+        }
         x_scale[mi] = amax > 0.0f ? amax / 32767.0f : 1.0f;
         const float inv = 1.0f / x_scale[mi];
-        for (int k = 0; k < K; k++) xq[(int64_t)mi * K + k] = (int16_t)lrintf(xm[k] * inv);
+        for (int k = 0; k < K; k++)
+            xq[row + k] = (int16_t)lrintf(get_x(x, row + k, elem_bytes) * inv);
     }
 #if defined(__AVX512BW__)
     if (M == 1) {
@@ -831,7 +884,32 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
             prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K);
             float out[4];
             dot1x4_i8_q16(xq, wr, K, out);
-            for (int i = 0; i < rows; i++) y[4 * qd + i] = out[i] * x_scale[0] * scale[4 * qd + i];
+            for (int i = 0; i < rows; i++)
+                put_y(y, 4 * qd + i, out[i] * x_scale[0] * scale[4 * qd + i], elem_bytes);
+        }
+        free(xq);
+        free(x_scale);
+        return;
+    }
+    {
+        const int num_quads = (N + 3) / 4;
+#pragma omp parallel for schedule(guided, 4)
+        for (int qd = 0; qd < num_quads; qd++) {
+            const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
+            const int8_t *wr[4];
+            for (int i = 0; i < 4; i++) wr[i] = w + (int64_t)(4 * qd + (i < rows ? i : rows - 1)) * K;
+            prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K);
+            for (int m0 = 0; m0 < M; m0 += 4) {
+                const int num_x = M - m0 < 4 ? M - m0 : 4;
+                const int16_t *xs[4];
+                for (int m = 0; m < 4; m++) xs[m] = xq + (int64_t)(m0 + (m < num_x ? m : num_x - 1)) * K;
+                float out[16];
+                dot4x4_i8_q16(xs, wr, K, out);
+                for (int m = 0; m < num_x; m++)
+                    for (int i = 0; i < rows; i++)
+                        put_y(y, (int64_t)(m0 + m) * N + 4 * qd + i,
+                              out[4 * m + i] * x_scale[m0 + m] * scale[4 * qd + i], elem_bytes);
+            }
         }
         free(xq);
         free(x_scale);
@@ -841,7 +919,7 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
     if (M == 1) {
 #pragma omp parallel for schedule(guided, 64)
         for (int n = 0; n < N; n++)
-            y[n] = dot1_i8_q16(xq, w + (int64_t)n * K, K) * x_scale[0] * scale[n];
+            put_y(y, n, dot1_i8_q16(xq, w + (int64_t)n * K, K) * x_scale[0] * scale[n], elem_bytes);
         free(xq);
         free(x_scale);
         return;
@@ -861,7 +939,8 @@ void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float 
                        w + (int64_t)n[2] * K, w + (int64_t)n[3] * K, K, out);
             for (int j = 0; j < num_x; j++)
                 for (int i = 0; i < rows; i++)
-                    y[(int64_t)(mi + j) * N + n[i]] = out[j][i] * x_scale[mi + j] * scale[n[i]];
+                    put_y(y, (int64_t)(mi + j) * N + n[i], out[j][i] * x_scale[mi + j] * scale[n[i]],
+                          elem_bytes);
         }
     }
     free(xq);
@@ -931,9 +1010,22 @@ DOT2X4(int8_t, dot2x4_i8, dot4_i8)
     }
 #ifndef HAVE_INT8_LINEAR /* portable: int8 widened to fp32 inside the dot products */
 LINEAR(int8_t, linear_int8_rows, dot4_i8, dot2x4_i8)
-void ppr_linear_int8(const float *x, const int8_t *w, const float *scale, float *y, int M, int N,
-                     int K) {
-    linear_int8_rows(x, w, scale, y, M, N, K);
+void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float *scale, void *y,
+                     int M, int N, int K) {
+    if (elem_bytes == 4) {
+        linear_int8_rows(x, w, scale, y, M, N, K);
+        return;
+    }
+    /* bf16: through fp32 copies of x and y */
+    float *xf = malloc(sizeof(float) * (size_t)M * K), *yf = malloc(sizeof(float) * (size_t)M * N);
+    if (xf && yf) {
+        for (int64_t i = 0; i < (int64_t)M * K; i++) xf[i] = bf16_load(((const uint16_t *)x)[i]);
+        linear_int8_rows(xf, w, scale, yf, M, N, K);
+    }
+    for (int64_t i = 0; i < (int64_t)M * N; i++)
+        ((uint16_t *)y)[i] = bf16_store(xf && yf ? yf[i] : NAN); /* loud, never silent */
+    free(xf);
+    free(yf);
 }
 #endif
 

@@ -166,8 +166,7 @@ class Int8Linear(nn.Module):
         return self.qweight.shape[1]  # K
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.linear_int8(x.float(), self.qweight, self.scale)  # [T, N] fp32
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return self.kernels.linear_int8(x, self.qweight, self.scale)  # [T, K] -> [T, N]
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,7 +79,7 @@ class NativeKernels:
         lib.ppr_grid_codes.argtypes = [_vp, ctypes.c_int, ctypes.c_int, _vp, ctypes.c_int, _vp]
         lib.ppr_grid_codes.argtypes += [ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_linear_int8.restype = None
-        lib.ppr_linear_int8.argtypes = [_vp, _vp, _vp, _vp] + [ctypes.c_int] * 3
+        lib.ppr_linear_int8.argtypes = [ctypes.c_int] + [_vp] * 4 + [ctypes.c_int] * 3
         lib.ppr_has_bf16_dot.restype = ctypes.c_int
         # vdpbf16ps: a bf16 stage's matmuls run here (ppr_linear_bf16) instead of in oneDNN
         self.bf16_dot = bool(lib.ppr_has_bf16_dot())
@@ -248,15 +248,18 @@ class NativeKernels:
     def linear_int8(
         self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     ) -> torch.Tensor:
-        """(x [M, K] fp32 @ weight [N, K] int8^T) * scale [N] fp32 -> [M, N] fp32."""
+        """(x [M, K] @ weight [N, K] int8^T) * scale [N] fp32 -> [M, N] in x's dtype (fp32 or
+        bf16: the kernel reads and writes either, so a bf16 stage converts nothing around it)."""
         x = x.contiguous()
         (m, k), n = x.shape, weight.shape[0]
         if weight.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
             raise ValueError("linear_int8 takes x [M, K], an int8 weight [N, K] and scale [N]")
-        y = torch.empty(m, n, dtype=torch.float32)
+        _check(x, x)
+        y = torch.empty(m, n, dtype=x.dtype)
         self._lib.ppr_linear_int8(
-            x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k
-        )
+            _ELEM_BYTES[x.dtype], x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(),
+            m, n, k,
+        )  # fmt: skip
         return y
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:

@@ -78,12 +78,20 @@ def test_linear_int8_matches_its_dequantized_weights(
     torch.manual_seed(n + k)
     qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) / 100
-    for m in [1, 2, 3, 8, 33]:
+    for m in [1, 2, 3, 4, 5, 8, 33]:  # one row; blocks of 4 (AVX-512) or 2 (AVX2) and tails
         x = torch.randn(m, k)
         expected = F.linear(x, qweight.float() * scale[:, None])
         got = kernels.linear_int8(x, qweight, scale)
         # activations are rounded to int16 per row: relative error ~ 2^-15 of the row's max
+        assert got.dtype == torch.float32
         assert (got - expected).abs().max().item() < 1e-3 * expected.abs().max().item()
+        # a bf16 stage's rows: read and written as bf16 (one rounding of the fp32 result)
+        xb = x.to(torch.bfloat16)
+        expected = F.linear(xb.float(), qweight.float() * scale[:, None])
+        got = kernels.linear_int8(xb, qweight, scale)
+        assert got.dtype == torch.bfloat16
+        error = (got.float() - expected).abs()
+        assert (error <= 2**-8 * expected.abs() + 1e-3 * expected.abs().max()).all()
 
 
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 33), (40, 2048)])
