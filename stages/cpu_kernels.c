@@ -1,6 +1,6 @@
 /* ppring's CPU kernels: attention that reads the paged KV cache in place, fp32 matmuls over
- * weights packed in panels, the matrix-vector products of weight-only int8, bf16 matmuls of a
- * few rows (vdpbf16ps, where the CPU has AVX512_BF16), and a layer's small ops. Each has a
+ * weights packed in panels, the matrix-vector products of weight-only int8, bf16 matmuls over
+ * packed weights (vdpbf16ps, where the CPU has AVX512_BF16), and a layer's small ops. Each has a
  * portable C path; AVX2 and AVX-512 paths where -march=native enables them.
  *
  * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
@@ -21,6 +21,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* vdpbf16ps and the masked 256-bit stores around it: AVX512_BF16, BW and VL */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_BF16_DOT
+#endif
 
 #define PAGE 16 /* tokens per KV block: stages.batch.BLOCK_SIZE (checked by native.py) */
 #define MAX_TILE_ROWS 128 /* query vectors (rows x heads of one KV group) one task holds */
@@ -281,6 +286,7 @@ static inline void prefetch_slice(const PagePrefetch *pf, int call, int num_call
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
 #define HAVE_AVX512_ATTENTION
 /* A page of 16 keys is one AVX-512 vector of scores. The heads of a KV group that share a query
  * row share each page's keys, so they take the page together: each K and V row is loaded (and
@@ -342,7 +348,7 @@ static inline __attribute__((always_inline)) __m512 page_scores_avx512(
     int bf16, const void *q, const void *kp, int64_t kstride, int D, float scale) {
     __m512 a[PAGE];
     for (int j = 0; j < PAGE; j++) a[j] = _mm512_setzero_ps();
-#ifdef __AVX512BF16__
+#ifdef HAVE_BF16_DOT
     if (bf16) {
         const uint16_t *qb = (const uint16_t *)q, *kb = (const uint16_t *)kp;
         for (int c = 0; c < D; c += 32) {
@@ -474,12 +480,11 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
 #ifdef HAVE_AVX2_ATTENTION
     const int use_avx2 = D % 8 == 0;
 #endif
+    int raw_q = 0; /* vdpbf16ps reads the bf16 queries where they are: no fp32 copy in qv */
 #ifdef HAVE_AVX512_ATTENTION
     const int use_avx512 = D % 64 == 0;
-#ifdef __AVX512BF16__
-    const int raw_q = elem_bytes == 2; /* vdpbf16ps reads the bf16 queries where they are */
-#else
-    const int raw_q = 0;
+#ifdef HAVE_BF16_DOT
+    raw_q = use_avx512 && elem_bytes == 2;
 #endif
 #endif
 
@@ -491,7 +496,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
             if (elem_bytes == 4) {
                 const float *src = (const float *)q + off;
                 for (int d = 0; d < D; d++) qv[r * D + d] = src[d] * scale;
-            } else {
+            } else if (!raw_q) { /* (the raw path reads the bf16 query where it is) */
                 const uint16_t *src = (const uint16_t *)q + off;
                 for (int d = 0; d < D; d++) qv[r * D + d] = bf16_load(src[d]) * scale;
             }
@@ -683,8 +688,8 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 /* int8 weights against int16 activations: vpmaddwd multiplies 16 pairs and adds neighbours
  * into 8 int32 lanes, a third of the instructions of widening int8 to fp32 for an FMA. The
- * int32 sums are moved into fp32 every I8_FLUSH steps of 16 (|sum| < 2^31 holds for
- * 64 * 16 * 127 * 32767). */
+ * int32 sums are moved into fp32 every I8_FLUSH steps (a lane gains at most 2 * 127 * 32767 a
+ * step, so |sum| <= 64 * 2 * 127 * 32767 < 2^31). */
 #define I8_FLUSH 64
 static inline __m256i load16_i8(const int8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
@@ -1502,7 +1507,6 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
                                                         bf16x8_load(out + i1), inv8)),
                                                     bf16x8_load(wb + i1)));
 #endif
-            (void)hb, (void)rb, (void)wb, (void)xb;
             for (int i = i1; i < d; i++)
                 ((uint16_t *)x_out)[row + i] = bf16_store(
                     bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
@@ -1543,7 +1547,7 @@ void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, c
                 int i0 = 0;
 #ifdef HAVE_AVX2_ATTENTION
                 if (half % 8 == 0)
-                    for (; i0 < D; i0 += 8) {
+                    for (; i0 + 8 <= D; i0 += 8) {
                         const int j0 = i0 < half ? i0 + half : i0 - half;
                         const __m256 cb = bf16x8_round(_mm256_loadu_ps(c + i0));
                         const __m256 sb = bf16x8_round(_mm256_loadu_ps(s + i0));
@@ -1623,7 +1627,7 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
 /* 1 where this build multiplies bf16 with vdpbf16ps (AVX512_BF16): the stage then packs its
  * bf16 weights for ppr_linear_bf16; elsewhere bf16 matmuls are torch's (oneDNN). */
 int ppr_has_bf16_dot(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef HAVE_BF16_DOT
     return 1;
 #else
     return 0;
@@ -1656,7 +1660,7 @@ void ppr_pack_bf16(const uint16_t *w, uint16_t *panels, int N, int K) {
                 }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef HAVE_BF16_DOT
 /* Rows of x per micro-kernel call: 12 x 2 panels = 24 accumulators of the 32 registers. Against
  * 8 (16 accumulators), alternated, half of SmolLM2 on one thread: 11 rows (a PP=2 stage's
  * micro-batch at 32 in flight) 6.1 -> 4.35 ms, 24 rows 9.3 -> 8.1; 2 threads, all of it, 32
@@ -1679,16 +1683,16 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
             __builtin_prefetch(next + (int64_t)kp * 64);
             __builtin_prefetch(next + ((int64_t)K2 + kp) * 64);
         }
-        const __m512bh a = w0[kp], b = w1[kp];
+        /* unaligned loads: torch aligns the panels to 64 bytes, but nothing promises it */
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + kp);
+        const __m512bh b = (__m512bh)_mm512_loadu_si512(w1 + kp);
         for (int m = 0; m < MR; m++) {
-            float pair; /* two bf16 of x, broadcast as one 32-bit lane */
-            if (kp < kfull) {
+            int32_t pair; /* two bf16 of x, broadcast as one 32-bit lane */
+            if (kp < kfull)
                 memcpy(&pair, x + (int64_t)m * K + 2 * kp, 4);
-            } else { /* K odd: the last pair's second half is the panels' zero */
-                const uint32_t lone = x[(int64_t)m * K + 2 * kp];
-                memcpy(&pair, &lone, 4);
-            }
-            const __m512bh xb = (__m512bh)_mm512_set1_ps(pair);
+            else /* K odd: the last pair's second half is the panels' zero */
+                pair = x[(int64_t)m * K + 2 * kp];
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
             acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, a);
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, b);
         }
@@ -1705,10 +1709,10 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
 
 /* y[M, N] = x[M, K] @ W^T in bf16 for W packed by ppr_pack_bf16. Returns -1 without
  * AVX512_BF16 (ppr_has_bf16_dot). Work is split over pairs of panels; each pair streams from memory once and
- * every block of 8 rows reuses it from cache. */
+ * every block of up to PB_MR rows reuses it from cache. */
 int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int M, int N,
                     int K) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef HAVE_BF16_DOT
     const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t unit_bytes = (int64_t)2 * ((K + 1) / 2) * 64;
 #pragma omp parallel for schedule(guided, 2)

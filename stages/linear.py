@@ -74,12 +74,14 @@ class CpuBf16Linear(nn.Module):
         self.register_buffer("panels", kernels.pack_bf16(weight.detach()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_bf16(x, self.panels, self.out_features)  # [T, K] -> [T, N]
+        # [T, K] -> [T, N]; K itself is checked (the panels know only ceil(K / 2))
+        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] (a tied lm_head serves the embedding lookup)."""
         rows = self.panels[ids // PANEL, :, ids % PANEL]  # [T, ceil(K/2), 2]
-        return rows.reshape(ids.shape[0], -1)[:, : self.in_features]
+        pairs = self.panels.shape[1]
+        return rows.reshape(ids.shape[0], 2 * pairs)[:, : self.in_features].contiguous()
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] back from its panels (for tools that compare with F.linear)."""

@@ -273,13 +273,21 @@ class NativeKernels:
         self._lib.ppr_pack_bf16(weight.data_ptr(), panels.data_ptr(), n, k)
         return panels
 
-    def linear_bf16(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    def linear_bf16(
+        self,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        out_features: int,
+        in_features: int | None = None,
+    ) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N], bf16, for W [N, K] packed by `pack_bf16`; sums in fp32,
-        each result rounded once. Only where `bf16_dot` (AVX512_BF16)."""
+        each result rounded once. Only where `bf16_dot` (AVX512_BF16). `in_features`: K, where
+        the caller knows it (the panels hold ceil(K / 2) pairs, so an odd K is ambiguous)."""
         x = x.contiguous()
         m, k = x.shape
         if (
-            x.dtype is not torch.bfloat16
+            (in_features is not None and k != in_features)
+            or x.dtype is not torch.bfloat16
             or panels.dtype is not torch.bfloat16
             or tuple(panels.shape) != (-(-out_features // PANEL), -(-k // 2), PANEL, 2)
             or not panels.is_contiguous()

@@ -94,6 +94,15 @@ def test_linear_int8_matches_its_dequantized_weights(
         assert (error <= 2**-8 * expected.abs() + 1e-3 * expected.abs().max()).all()
 
 
+def test_the_native_build_multiplies_bf16_where_the_cpu_can() -> None:
+    # a bf16 stage on such a CPU runs every matmul in the packed kernel: a build that lost it
+    # (a wrong guard) would fall back to oneDNN silently, slower and batch-dependent
+    built = native.kernels()
+    assert built is not None
+    if _cpu_has("avx512_bf16", "avx512bw", "avx512vl"):
+        assert built.bf16_dot
+
+
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (7, 9), (9, 100), (5, 33), (40, 2048)])
 def test_linear_bf16_matches_f_linear(kernels: native.NativeKernels, n: int, k: int) -> None:
     # vdpbf16ps over packed panels: K odd (the last pair half padding), N not a multiple of
@@ -107,6 +116,9 @@ def test_linear_bf16_matches_f_linear(kernels: native.NativeKernels, n: int, k: 
     assert torch.equal(linear.dense_weight(), weight)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(linear.rows(ids), weight[ids])  # a tied embedding's lookup
+    assert linear.rows(ids).is_contiguous() and linear.rows(ids[:0]).shape == (0, k)
+    with pytest.raises(ValueError, match="linear_bf16 takes"):  # one column too many
+        linear(torch.ones(1, k + 1, dtype=torch.bfloat16))
     if not kernels.bf16_dot:
         with pytest.raises(RuntimeError, match="AVX512_BF16"):
             kernels.linear_bf16(torch.ones(1, k, dtype=torch.bfloat16), panels, n)
