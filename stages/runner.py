@@ -39,7 +39,7 @@ from stages.partition import (
     partition_layers,
     vocab_cut,
 )
-from stages.sampler import GREEDY, sample
+from stages.sampler import GREEDY, row_argmax, sample
 from stages.weights import load_stage_weights, to_torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ class StageRunner(Stage):
                 logits = self.model.compute_logits(step.h, step.residual, step.inputs.sample_rows)
             params = _picked_params(chunks, sampling)
             if self.overlap and all(_plain_greedy(p) for p in params):
-                tokens = _to_host(logits.argmax(dim=-1))  # [N]
+                tokens = _to_host(row_argmax(logits))  # [N]
                 return DeviceSample(tokens, new_event(self.device))
             return _sample_picked(logits, chunks, sampling, histories)
 
@@ -471,7 +471,7 @@ class StageRunner(Stage):
             part = self.model.lm_head(x)  # [N, V - cut]
             if not all(_plain_greedy(p) for p in params):
                 return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
-            best = part.argmax(dim=-1)  # [N]: the first of equal maxima, as argmax over all V
+            best = row_argmax(part)  # [N]: the first of equal maxima, as argmax over all V
             best_logit = part.gather(1, best[:, None]).squeeze(1)  # [N]
             return LogitsShare(
                 hidden=x, logits=empty, best_logit=best_logit, best_token=best + self.vocab_cut
@@ -495,7 +495,7 @@ class StageRunner(Stage):
             hidden = on_device(share["hidden"], self.device).to(self.device, self.dtype)
             own = self.model.lm_head(hidden)  # [N, cut]
             if share["best_token"].numel():  # plain greedy: the better of two maxima
-                best_own = own.argmax(dim=-1)  # [N]
+                best_own = row_argmax(own)  # [N]
                 own_logit = own.gather(1, best_own[:, None]).squeeze(1)
                 theirs = share["best_logit"].to(self.device, own.dtype)
                 # A tie goes to the lower token id, as argmax over the whole row would.

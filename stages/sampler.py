@@ -170,6 +170,14 @@ def _sample_rows(
     return (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N]: each row's first maximal index, as argmax(dim=-1) (ties, NaN alike). In
+    bf16 on a CPU torch's argmax is a slow loop: [32, 49152] took 5.7 ms on one thread against
+    1.0 for max(dim) (0.97 against 0.17 ms for [11, 24576], a PP=2 stage's half vocabulary);
+    a profile of a PP=2 ring had argmax at 9% of each stage's time."""
+    return logits.max(dim=-1).indices
+
+
 def _mix_seed(seed: int, position: int) -> int:
     """A 63-bit generator seed from (request seed, token position): splitmix64 finaliser, so
     neighbouring positions get unrelated streams."""

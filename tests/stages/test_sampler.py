@@ -263,3 +263,14 @@ def test_min_tokens_suppressed_ids_are_never_chosen() -> None:
     out = sample(logits, params, [0, 0], histories)
     assert out.token_ids[0] == int(logits[0].topk(2).indices[1])  # the runner-up
     assert out.token_ids[1] != best[1]  # a +100 bias does not lift a suppressed id
+
+
+def test_row_argmax_is_argmax_ties_and_nan_included() -> None:
+    # the greedy paths use max(dim).indices (torch's bf16 argmax is a slow loop on a CPU)
+    from stages.sampler import row_argmax
+
+    torch.manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randint(-3, 4, (9, 1000)).to(dtype)  # many ties per row
+        x[4, 700] = float("nan")
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
