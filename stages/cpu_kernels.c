@@ -50,16 +50,26 @@ static inline uint16_t bf16_store(float f) {
 /* exp(x) for x <= 0 (scores minus their running max), vectorizable: Cephes' expf (range reduction
  * by ln 2 and a degree-6 polynomial, about 1 ulp). libm's expf is a scalar call, and a decode
  * step takes hundreds of thousands of them. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 in two parts, hi + lo, for an exact reduction */
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f /* the polynomial, highest degree first */
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = x - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     float y = p * r * r + r + 1.0f;
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
@@ -108,20 +118,28 @@ static inline void row_page_generic(const float *qr, const float *kp, const floa
 static inline __m256 exp8_nonpositive(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     const __m256 n = _mm256_floor_ps(
-        _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+        _mm256_fmadd_ps(x, _mm256_set1_ps(EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
     const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r),
                                    _mm256_set1_ps(1.0f));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* silu(g) = g / (1 + exp(-g)) on eight lanes: -g clamped to 88 from above (to -87 inside
+ * exp8), as exp_any does */
+static inline __m256 silu8(__m256 g) {
+    const __m256 e = exp8_nonpositive(
+        _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
 /* bf16 on eight lanes, with the scalar helpers' exact rounding (nearest even, NaN kept quiet):
@@ -298,16 +316,16 @@ static inline void prefetch_slice(const PagePrefetch *pf, int call, int num_call
 static inline __m512 exp16_nonpositive(__m512 x) { /* exp8_nonpositive on sixteen lanes */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
                                    _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(
@@ -419,11 +437,13 @@ static inline void group_page_avx512(int bf16, const void *q, int64_t q_stride, 
             sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
             const float page_max = _mm512_reduce_max_ps(sc);
             if (page_max > m[r]) {
-                const float correction = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - page_max);
+                const float correction =
+                    m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - page_max);
                 l[r] *= correction;
                 const __m512 cv = _mm512_set1_ps(correction);
+                float *ar = acc + r * D;
                 for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), cv));
+                    _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
                 m[r] = page_max;
             }
             const __m512 pv = _mm512_maskz_mov_ps(
@@ -535,13 +555,15 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
                     int lim = pos[r] + 1 - key0;
                     if (lim <= 0) continue;
                     if (lim > nk) lim = nk;
-                    const void *qr = raw_q ? (const void *)((const uint16_t *)q +
-                                                           query_offset(task, q_start[s_idx] + task->row0 + i,
-                                                                        (g - task->g0) * nh, G, H, D))
-                                           : (const void *)(qv + r * D);
-                    group_page_avx512(elem_bytes == 2, qr, (int64_t)D * (raw_q ? 2 : 4), kb, kb + v_offset * elem_bytes,
-                                      row_stride, lim, D, nh, raw_q ? scale : 1.0f, &m[r], &l[r],
-                                      acc + r * D, prefetching ? &pf : NULL, &call, calls_per_page);
+                    const int64_t t = q_start[s_idx] + task->row0 + i;
+                    const void *qr =
+                        raw_q ? (const void *)((const uint16_t *)q +
+                                               query_offset(task, t, (g - task->g0) * nh, G, H, D))
+                              : (const void *)(qv + r * D);
+                    group_page_avx512(elem_bytes == 2, qr, (int64_t)D * (raw_q ? 2 : 4), kb,
+                                      kb + v_offset * elem_bytes, row_stride, lim, D, nh,
+                                      raw_q ? scale : 1.0f, &m[r], &l[r], acc + r * D,
+                                      prefetching ? &pf : NULL, &call, calls_per_page);
                 }
                 continue;
             }
@@ -789,9 +811,11 @@ static inline void dot1x4_i8_q16(const int16_t *x, const int8_t *const *w, int K
         for (int r = 0; r < 4; r++) a[r] = _mm512_setzero_si512();
         for (; k < end; k += 32) {
             const __m512i xv = _mm512_loadu_si512(x + k);
-            for (int r = 0; r < 4; r++)
-                a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(xv, _mm512_cvtepi8_epi16(
-                                                                   _mm256_loadu_si256((const __m256i *)(w[r] + k)))));
+            for (int r = 0; r < 4; r++) {
+                const __m512i wv =
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w[r] + k)));
+                a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(xv, wv));
+            }
         }
         for (int r = 0; r < 4; r++) f[r] = _mm512_add_ps(f[r], _mm512_cvtepi32_ps(a[r]));
     }
@@ -838,11 +862,6 @@ static inline void dot4x4_i8_q16(const int16_t *const *xs, const int8_t *const *
 }
 #endif
 
-/* y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N]: weight-only int8, one fp32 scale per output
- * channel: a quarter of fp32's weight bytes, so a quarter of the single-stream step's reads.
- * Each row of x is first rounded to int16 with its own scale (max |x| / 32767: a relative
- * step of 2^-15 of the row's largest value, finer than bf16's 2^-8 mantissa), so the products
- * run in integers; y = sum * x_scale * w_scale. */
 /* y[i] = v in fp32 or bf16 (elem_bytes 4 or 2): a bf16 stage's int8 matmul reads and writes
  * bf16 itself, instead of two torch conversions around every call */
 static inline void put_y(void *y, int64_t i, float v, int elem_bytes) {
@@ -856,6 +875,11 @@ static inline float get_x(const void *x, int64_t i, int elem_bytes) {
     return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
 }
 
+/* y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N]: weight-only int8, one fp32 scale per output
+ * channel: a quarter of fp32's weight bytes, so a quarter of the single-stream step's reads.
+ * Each row of x is first rounded to int16 with its own scale (max |x| / 32767: a relative
+ * step of 2^-15 of the row's largest value, finer than bf16's 2^-8 mantissa), so the products
+ * run in integers; y = sum * x_scale * w_scale. */
 void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float *scale, void *y,
                      int M, int N, int K) {
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
@@ -879,35 +903,27 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
             xq[row + k] = (int16_t)lrintf(get_x(x, row + k, elem_bytes) * inv);
     }
 #if defined(__AVX512BW__)
-    if (M == 1) {
-        const int num_quads = (N + 3) / 4;
-#pragma omp parallel for schedule(guided, 8)
-        for (int qd = 0; qd < num_quads; qd++) {
-            const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
-            const int8_t *wr[4];
-            for (int i = 0; i < 4; i++) wr[i] = w + (int64_t)(4 * qd + (i < rows ? i : rows - 1)) * K;
-            prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K);
-            float out[4];
-            dot1x4_i8_q16(xq, wr, K, out);
-            for (int i = 0; i < rows; i++)
-                put_y(y, 4 * qd + i, out[i] * x_scale[0] * scale[4 * qd + i], elem_bytes);
-        }
-        free(xq);
-        free(x_scale);
-        return;
-    }
-    {
+    { /* quads of weight rows, the next one prefetched: one row of x, or blocks of 4 */
         const int num_quads = (N + 3) / 4;
 #pragma omp parallel for schedule(guided, 4)
         for (int qd = 0; qd < num_quads; qd++) {
             const int rows = N - 4 * qd < 4 ? N - 4 * qd : 4;
             const int8_t *wr[4];
-            for (int i = 0; i < 4; i++) wr[i] = w + (int64_t)(4 * qd + (i < rows ? i : rows - 1)) * K;
+            for (int i = 0; i < 4; i++)
+                wr[i] = w + (int64_t)(4 * qd + (i < rows ? i : rows - 1)) * K;
             prefetch_next_quad(w, qd, num_quads, (int64_t)4 * K);
+            if (M == 1) {
+                float out[4];
+                dot1x4_i8_q16(xq, wr, K, out);
+                for (int i = 0; i < rows; i++)
+                    put_y(y, 4 * qd + i, out[i] * x_scale[0] * scale[4 * qd + i], elem_bytes);
+                continue;
+            }
             for (int m0 = 0; m0 < M; m0 += 4) {
                 const int num_x = M - m0 < 4 ? M - m0 : 4;
                 const int16_t *xs[4];
-                for (int m = 0; m < 4; m++) xs[m] = xq + (int64_t)(m0 + (m < num_x ? m : num_x - 1)) * K;
+                for (int m = 0; m < 4; m++)
+                    xs[m] = xq + (int64_t)(m0 + (m < num_x ? m : num_x - 1)) * K;
                 float out[16];
                 dot4x4_i8_q16(xs, wr, K, out);
                 for (int m = 0; m < num_x; m++)
@@ -944,8 +960,8 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
                        w + (int64_t)n[2] * K, w + (int64_t)n[3] * K, K, out);
             for (int j = 0; j < num_x; j++)
                 for (int i = 0; i < rows; i++)
-                    put_y(y, (int64_t)(mi + j) * N + n[i], out[j][i] * x_scale[mi + j] * scale[n[i]],
-                          elem_bytes);
+                    put_y(y, (int64_t)(mi + j) * N + n[i],
+                          out[j][i] * x_scale[mi + j] * scale[n[i]], elem_bytes);
         }
     }
     free(xq);
@@ -1492,8 +1508,8 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
             sum_sq = hsum8(sq);
 #endif
             for (int i = i0; i < d; i++) {
-                float r = bf16_load(((const uint16_t *)h)[row + i]);
-                if (residual) r = bf16_load(bf16_store(r + bf16_load(((const uint16_t *)residual)[row + i])));
+                float r = bf16_load(hb[i]);
+                if (rb) r = bf16_load(bf16_store(r + bf16_load(rb[i])));
                 out[i] = bf16_store(r);
                 sum_sq += r * r;
             }
@@ -1508,9 +1524,8 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
                                                     bf16x8_load(wb + i1)));
 #endif
             for (int i = i1; i < d; i++)
-                ((uint16_t *)x_out)[row + i] = bf16_store(
-                    bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
-                    bf16_load(((const uint16_t *)weight)[i]));
+                xb[i] = bf16_store(bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
+                                   bf16_load(wb[i]));
         }
     }
 }
@@ -1591,14 +1606,9 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
             float *o = (float *)out + dst;
             int i = 0;
 #ifdef HAVE_AVX2_ATTENTION
-            const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(88.0f);
-            for (; i + 8 <= I; i += 8) {
-                const __m256 gi = _mm256_loadu_ps(g + i);
-                /* exp(-g) for every g: -g clamped to 88 from above, to -87 inside exp8 */
-                const __m256 e = exp8_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gi), hi));
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(one, e)),
+            for (; i + 8 <= I; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)),
                                                       _mm256_loadu_ps(u + i)));
-            }
 #endif
             for (; i < I; i++) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
         } else {
@@ -1606,13 +1616,9 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
             uint16_t *o = (uint16_t *)out + dst;
             int i = 0;
 #ifdef HAVE_AVX2_ATTENTION
-            const __m256 one = _mm256_set1_ps(1.0f), hi = _mm256_set1_ps(88.0f);
-            for (; i + 8 <= I; i += 8) {
-                const __m256 gi = bf16x8_load(g + i);
-                const __m256 e = exp8_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gi), hi));
-                const __m256 silu = bf16x8_round(_mm256_div_ps(gi, _mm256_add_ps(one, e)));
-                bf16x8_store(o + i, _mm256_mul_ps(silu, bf16x8_load(u + i)));
-            }
+            for (; i + 8 <= I; i += 8) /* silu rounded to bf16 before the multiply, as below */
+                bf16x8_store(o + i, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(g + i))),
+                                                  bf16x8_load(u + i)));
 #endif
             for (; i < I; i++) {
                 const float gi = bf16_load(g[i]);
@@ -1622,7 +1628,6 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
         }
     }
 }
-
 
 /* 1 where this build multiplies bf16 with vdpbf16ps (AVX512_BF16): the stage then packs its
  * bf16 weights for ppr_linear_bf16; elsewhere bf16 matmuls are torch's (oneDNN). */
@@ -1700,7 +1705,8 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
     for (int m = 0; m < MR; m++)
         for (int q = 0; q < np; q++) {
             const int n0 = 16 * (p0 + q);
-            const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            const __mmask16 keep =
+                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
             _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
                                      (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
         }
@@ -1708,8 +1714,8 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
 #endif
 
 /* y[M, N] = x[M, K] @ W^T in bf16 for W packed by ppr_pack_bf16. Returns -1 without
- * AVX512_BF16 (ppr_has_bf16_dot). Work is split over pairs of panels; each pair streams from memory once and
- * every block of up to PB_MR rows reuses it from cache. */
+ * AVX512_BF16 (ppr_has_bf16_dot). Work is split over pairs of panels; each pair streams from
+ * memory once and every block of up to PB_MR rows reuses it from cache. */
 int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int M, int N,
                     int K) {
 #ifdef HAVE_BF16_DOT
