@@ -1672,14 +1672,15 @@ void ppr_pack_bf16(const uint16_t *w, uint16_t *panels, int N, int K) {
  * rows 13.5 -> 12.7, 64 rows 23.8 -> 22.9; one row and 8 rows level. */
 #define PB_MR 12
 
-/* y rows [0, MR) x panels p0, p0 + 1 (np of them: 1 or 2). `next`: the next unit's first line,
- * fetched two lines per K pair as this unit's two are consumed (NULL: nothing to fetch). */
+/* y rows [0, MR) x panels p0, p0 + 1 (np of them: 1 or 2), whose packed pairs start at `unit`
+ * (the panels' own memory, or a grid unit decoded into a buffer). `next`: the next unit's first
+ * line, fetched two lines per K pair as this unit's two are consumed (NULL: nothing to fetch). */
 static inline __attribute__((always_inline)) void pb_micro(const int MR, const uint16_t *x,
-                                                           const uint16_t *panels, uint16_t *y,
+                                                           const uint16_t *unit, uint16_t *y,
                                                            int N, int K, int p0, int np,
                                                            const char *next) {
     const int K2 = (K + 1) / 2, kfull = K / 2; /* pairs with both halves inside the row */
-    const __m512bh *w0 = (const __m512bh *)(panels + (int64_t)p0 * K2 * 32);
+    const __m512bh *w0 = (const __m512bh *)unit; /* panel p0's pairs, then panel p0 + 1's */
     const __m512bh *w1 = np > 1 ? w0 + K2 : w0;
     __m512 acc[PB_MR][2];
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -1711,6 +1712,32 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
                                      (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
         }
 }
+
+/* every row of x, PB_MR at a time, against panels p0, p0 + 1 (np) packed at `unit`; the first
+ * block streams the unit from memory and fetches `next` alongside, the later ones reuse it from
+ * cache */
+static void pb_rows(const uint16_t *x, const uint16_t *unit, uint16_t *y, int M, int N, int K,
+                    int p0, int np, const char *next) {
+    for (int m0 = 0; m0 < M; m0 += PB_MR) {
+        const uint16_t *xm = x + (int64_t)m0 * K;
+        uint16_t *ym = y + (int64_t)m0 * N;
+        const char *fetch = m0 == 0 ? next : NULL;
+        switch (M - m0 < PB_MR ? M - m0 : PB_MR) {
+        case 1: pb_micro(1, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 2: pb_micro(2, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 3: pb_micro(3, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 4: pb_micro(4, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 5: pb_micro(5, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 6: pb_micro(6, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 7: pb_micro(7, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 8: pb_micro(8, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 9: pb_micro(9, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 10: pb_micro(10, xm, unit, ym, N, K, p0, np, fetch); break;
+        case 11: pb_micro(11, xm, unit, ym, N, K, p0, np, fetch); break;
+        default: pb_micro(12, xm, unit, ym, N, K, p0, np, fetch); break;
+        }
+    }
+}
 #endif
 
 /* y[M, N] = x[M, K] @ W^T in bf16 for W packed by ppr_pack_bf16. Returns -1 without
@@ -1727,29 +1754,215 @@ int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int 
         /* the first block of rows streams this unit from memory and fetches the next one
          * alongside, a line per line consumed (a burst of a whole unit stalled the core) */
         const char *next = u + 1 < num_units ? (const char *)panels + (u + 1) * unit_bytes : NULL;
-        for (int m0 = 0; m0 < M; m0 += PB_MR) {
-            const uint16_t *xm = x + (int64_t)m0 * K;
-            uint16_t *ym = y + (int64_t)m0 * N;
-            const char *fetch = m0 == 0 ? next : NULL;
-            switch (M - m0 < PB_MR ? M - m0 : PB_MR) {
-            case 1: pb_micro(1, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 2: pb_micro(2, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 3: pb_micro(3, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 4: pb_micro(4, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 5: pb_micro(5, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 6: pb_micro(6, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 7: pb_micro(7, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 8: pb_micro(8, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 9: pb_micro(9, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 10: pb_micro(10, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            case 11: pb_micro(11, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            default: pb_micro(12, xm, panels, ym, N, K, 2 * u, np, fetch); break;
-            }
-        }
+        pb_rows(x, panels + (int64_t)2 * u * ((K + 1) / 2) * 32, y, M, N, K, 2 * u, np, next);
     }
     return 0;
 #else
     (void)x, (void)panels, (void)y, (void)M, (void)N, (void)K;
+    return -1;
+#endif
+}
+
+/* ---- bf16 matmuls over weights held as grid codes ----
+ *
+ * A bf16 stage holds a weight that lies on a GGUF grid (see the fp32 section above) as its codes
+ * too: each (panel, K pair) is decoded to the 32 bf16 that ppr_pack_bf16 would have stored,
+ * round(fl(d * q) + m) (or round(d * q)), and multiplied by vdpbf16ps exactly as pb_micro
+ * multiplies the packed panel, in the same order: the same results as CpuBf16Linear, from 0.625
+ * (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2. d and m are fp16 numbers (the grid's own),
+ * q has at most 8 significant bits, so d * q is exact in fp32 and one FMA computes
+ * fl(fl(d * q) + m); _mm512_cvtne2ps_pbh rounds to nearest even like torch (it flushes fp32
+ * denormals, which such a product never is; the stage checks every decoded weight bit for bit
+ * at load anyway, stages/linear.py).
+ *
+ * Layout, per panel of 16 output channels (P panels, K a multiple of 32, K2 = K / 2 pairs), in
+ * the lane order the decode produces: decoded vector `lo` holds channels 0-7 and `hi` channels
+ * 8-15, lane 2 j + e = channel j (or 8 + j), k = 2 kp + e, so _mm512_cvtne2ps_pbh(hi, lo) lands
+ * each channel's pair in its 32-bit lane, as pb_micro expects:
+ *   codes  Q4_1 [P, K2, 16] bytes: byte 2 j + e = q[16p + j][2kp + e]
+ *                                                   | q[16p + 8 + j][2kp + e] << 4
+ *          Q8_0 [P, K2, 32] int8: byte 2 j + e = q[16p + j][2kp + e],
+ *                                 byte 16 + 2 j + e = q[16p + 8 + j][2kp + e]
+ *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), channel order */
+#ifdef HAVE_BF16_DOT
+/* one block's d and m (16 channels) spread over the decoded lanes: lo = channels 0-7 twice each */
+typedef struct {
+    __m512 d_lo, d_hi, m_lo, m_hi;
+} gb_scales;
+
+static inline __attribute__((always_inline)) gb_scales gb_block(const uint16_t *d,
+                                                                 const uint16_t *m) {
+    const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+    const __m512 m16 = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m))
+                         : _mm512_setzero_ps();
+    gb_scales s = {_mm512_permutexvar_ps(lo, d16), _mm512_permutexvar_ps(hi, d16),
+                   _mm512_permutexvar_ps(lo, m16), _mm512_permutexvar_ps(hi, m16)};
+    return s;
+}
+
+/* one (panel, pair): 16 (Q4_1) or 32 (Q8_0) code bytes -> the 32 bf16 pb_micro multiplies */
+static inline __attribute__((always_inline)) __m512bh gb_decode(int bits, const uint8_t *c,
+                                                                 const gb_scales *s) {
+    __m512 lo, hi;
+    if (bits == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        lo = _mm512_fmadd_ps(lo, s->d_lo, s->m_lo); /* d * q exact: one rounding, as the sum's */
+        hi = _mm512_fmadd_ps(hi, s->d_hi, s->m_hi);
+    } else {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+        lo = _mm512_mul_ps(lo, s->d_lo);
+        hi = _mm512_mul_ps(hi, s->d_hi);
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* Rows [0, MR) x panels p0, p0 + 1 (np), decoding each (panel, pair) once, straight into the
+ * products. codes / scale / offset point at panel p0's; `next_*` at the next unit's (NULL: last
+ * unit), fetched a line per line consumed; `save` (or NULL) takes the decoded pairs [2][K2][32]
+ * for the rows after these. Sums in pb_micro's order: the same bits as pb_micro over the
+ * decoded panels. */
+static inline __attribute__((always_inline)) void gb_micro(
+    const int MR, const uint16_t *x, int bits, const uint8_t *codes, const uint16_t *scale,
+    const uint16_t *offset, uint16_t *y, int N, int K, int p0, int np, const char *next_codes,
+    const char *next_scale, const char *next_offset, uint16_t *save) {
+    const int K2 = K / 2, KB = K / GRID_BLOCK, pair_bytes = bits == 4 ? 16 : 32;
+    const uint8_t *c1 = np > 1 ? codes + (int64_t)K2 * pair_bytes : codes;
+    const int64_t scale1 = np > 1 ? (int64_t)KB * PANEL : 0;
+    __m512 acc[PB_MR][2];
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        const gb_scales s0 = gb_block(scale + kb * PANEL, offset ? offset + kb * PANEL : NULL);
+        const gb_scales s1 = gb_block(scale + scale1 + kb * PANEL,
+                                      offset ? offset + scale1 + kb * PANEL : NULL);
+        if (next_scale) {
+            __builtin_prefetch(next_scale + (int64_t)kb * 2 * PANEL * 2);
+            if (next_offset) __builtin_prefetch(next_offset + (int64_t)kb * 2 * PANEL * 2);
+        }
+        for (int kp = kb * (GRID_BLOCK / 2); kp < (kb + 1) * (GRID_BLOCK / 2); kp++) {
+            if (next_codes && ((int64_t)kp * 2 * pair_bytes) % 64 == 0)
+                __builtin_prefetch(next_codes + (int64_t)kp * 2 * pair_bytes);
+            const __m512bh a = gb_decode(bits, codes + (int64_t)kp * pair_bytes, &s0);
+            const __m512bh b = gb_decode(bits, c1 + (int64_t)kp * pair_bytes, &s1);
+            if (save) { /* the decoded unit, for the rows after these (pb_rows) */
+                _mm512_storeu_si512(save + (int64_t)kp * 32, (__m512i)a);
+                _mm512_storeu_si512(save + ((int64_t)K2 + kp) * 32, (__m512i)b);
+            }
+            for (int m = 0; m < MR; m++) {
+                int32_t pair; /* two bf16 of x (K is even), broadcast as one 32-bit lane */
+                memcpy(&pair, x + (int64_t)m * K + 2 * kp, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, a);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, b);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int q = 0; q < np; q++) {
+            const int n0 = 16 * (p0 + q);
+            const __mmask16 keep =
+                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
+        }
+}
+
+/* one panel's codes -> its packed bf16 pairs [K2][32] at `out` (ppr_pack_bf16's layout) */
+static void gb_unpack(int bits, const uint8_t *codes, const uint16_t *scale,
+                      const uint16_t *offset, int K, uint16_t *out) {
+    const int pair_bytes = bits == 4 ? 16 : 32;
+    for (int kb = 0; kb < K / GRID_BLOCK; kb++) {
+        const gb_scales s = gb_block(scale + kb * PANEL, offset ? offset + kb * PANEL : NULL);
+        for (int kp = kb * (GRID_BLOCK / 2); kp < (kb + 1) * (GRID_BLOCK / 2); kp++)
+            _mm512_storeu_si512(out + (int64_t)kp * 32,
+                                (__m512i)gb_decode(bits, codes + (int64_t)kp * pair_bytes, &s));
+    }
+}
+#endif
+
+/* y[M, N] = x[M, K] @ W[N, K]^T in bf16 for W held as grid codes (layout above; bits 4 or 8).
+ * Per unit of two panels, the first PB_MR rows decode each pair straight into their products;
+ * with more rows, the decoded unit also goes to a per-thread buffer, and the other rows are
+ * multiplied by it as ppr_linear_bf16 multiplies the packed panels (pb_rows). Returns -1
+ * without AVX512_BF16, for a K that is not a multiple of 32, or if a buffer could not be
+ * allocated. */
+int ppr_linear_grid_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
+                         const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+#ifdef HAVE_BF16_DOT
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8)) return -1;
+    if (M <= 0) return 0;
+    const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
+    const int64_t panel_codes = (int64_t)K / 2 * (bits == 4 ? 16 : 32);
+    const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;
+    const int buffered = M > PB_MR;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *buf = buffered ? aligned_alloc(64, (size_t)2 * K * 32) : NULL; /* 2 x K2 x 32 */
+        if (buffered && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(guided, 2)
+        for (int u = 0; u < num_units; u++) {
+            const int np = num_panels - 2 * u < 2 ? num_panels - 2 * u : 2, p0 = 2 * u;
+            const uint8_t *c = codes + p0 * panel_codes;
+            const uint16_t *d = scale + p0 * panel_scales;
+            const uint16_t *m = offset ? offset + p0 * panel_scales : NULL;
+            const int has_next = u + 1 < num_units;
+            if (buffered && !buf) continue;
+            const char *nc = has_next ? (const char *)(c + 2 * panel_codes) : NULL;
+            const char *nd = has_next ? (const char *)(d + 2 * panel_scales) : NULL;
+            const char *nm = has_next && m ? (const char *)(m + 2 * panel_scales) : NULL;
+            /* the first rows decode the unit (into buf, where more rows follow) */
+            switch (M < PB_MR ? M : PB_MR) {
+            case 1: gb_micro(1, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 2: gb_micro(2, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 3: gb_micro(3, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 4: gb_micro(4, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 5: gb_micro(5, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 6: gb_micro(6, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 7: gb_micro(7, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 8: gb_micro(8, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 9: gb_micro(9, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 10: gb_micro(10, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            case 11: gb_micro(11, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            default: gb_micro(12, x, bits, c, d, m, y, N, K, p0, np, nc, nd, nm, buf); break;
+            }
+            if (buffered) /* the rest from the decoded unit, as ppr_linear_bf16 from panels */
+                pb_rows(x + (int64_t)PB_MR * K, buf, y + (int64_t)PB_MR * N, M - PB_MR, N, K, p0,
+                        np, NULL);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,
+        (void)bits;
+    return -1;
+#endif
+}
+
+/* The packed bf16 pairs [P, K2, 16, 2] the codes stand for (what ppr_pack_bf16 makes of the
+ * bf16 weight): the stage checks them against that bit for bit before it trusts the codes. */
+int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint16_t *offset,
+                         uint16_t *panels, int N, int K, int bits) {
+#ifdef HAVE_BF16_DOT
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8)) return -1;
+    const int num_panels = (N + 15) / 16;
+    const int64_t panel_codes = (int64_t)K / 2 * (bits == 4 ? 16 : 32);
+    const int64_t panel_scales = (int64_t)K / GRID_BLOCK * PANEL;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < num_panels; p++)
+        gb_unpack(bits, codes + p * panel_codes, scale + p * panel_scales,
+                  offset ? offset + p * panel_scales : NULL, K, panels + (int64_t)p * K / 2 * 32);
+    return 0;
+#else
+    (void)codes, (void)scale, (void)offset, (void)panels, (void)N, (void)K, (void)bits;
     return -1;
 #endif
 }

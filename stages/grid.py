@@ -1,5 +1,6 @@
 """Finding fp32 weights that lie on a GGUF quantization grid, so a CPU stage can hold them as
-the integer codes they came from and read 3.6-5.3x fewer bytes a step, with the same values.
+the integer codes they came from and read 3.6-5.3x fewer bytes a step (fp32; 1.9-3.2x in bf16),
+with the same values.
 
 A checkpoint converted from GGUF (the default model is: its layers are Q4_1, its embedding
 Q8_0) stores each weight as the fp32 the converter computed from the file's codes:
@@ -12,8 +13,10 @@ max |w| / 127), every weight is checked against d * q (+ m), and the stage check
 own decoding of the codes against the weight bit for bit before it uses them
 (stages/linear.py). Anything else, random test weights included, stays fp32.
 
-The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them
-(ppr_linear_grid documents the layout). `PPRING_GRID_WEIGHTS=0` turns this off.
+The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them:
+`GridCodes` for the fp32 kernel (ppr_linear_grid documents the layout), `GridPairs` for the bf16
+one (ppr_linear_grid_bf16), whose decoded weights are the fp32 ones rounded to bf16.
+`PPRING_GRID_WEIGHTS=0` turns both off.
 """
 
 from __future__ import annotations
@@ -86,7 +89,71 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
+@dataclass(frozen=True)
+class GridPairs:
+    """A weight [N, K] as grid codes in the layout of cpu_kernels.c's bf16 grid matmul
+    (ppr_linear_grid_bf16): per panel of 16 channels and K pair, the codes in the lane order
+    their decoding lands in, d and m as the fp16 numbers they are."""
+
+    bits: int  # 4 (Q4_1) or 8 (Q8_0)
+    codes: torch.Tensor  # uint8 [P, K / 2, 16] (4 bits) or int8 [P, K / 2, 32] (8 bits)
+    scale: torch.Tensor  # fp16 [P, K / 32, 16]
+    offset: torch.Tensor | None  # fp16 [P, K / 32, 16] (4 bits), None (8 bits)
+    out_features: int  # N
+
+    def __post_init__(self) -> None:
+        """Checked once, here, as GridCodes is: the kernels read these tensors' raw memory."""
+        panels = -(-self.out_features // PANEL)
+        k = 2 * self.codes.shape[1] if self.codes.dim() == 3 else -1
+        code_dtype, width = (torch.uint8, PANEL) if self.bits == 4 else (torch.int8, 2 * PANEL)
+        scales = (panels, k // BLOCK, PANEL)
+        tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
+        if (
+            self.bits not in (4, 8)
+            or k % BLOCK
+            or self.codes.dtype != code_dtype
+            or tuple(self.codes.shape) != (panels, k // 2, width)
+            or tuple(self.scale.shape) != scales
+            or self.scale.dtype != torch.float16
+            or (self.offset is None) != (self.bits == 8)
+            or (self.offset is not None and tuple(self.offset.shape) != scales)
+            or (self.offset is not None and self.offset.dtype != torch.float16)
+            or not all(t.is_contiguous() and t.is_cpu for t in tensors)
+        ):
+            raise ValueError(f"grid pairs do not fit K = {k} and N = {self.out_features}")
+
+    @property
+    def in_features(self) -> int:
+        return 2 * self.codes.shape[1]  # K
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def name(self) -> str:
+        return "Q4_1" if self.bits == 4 else "Q8_0"
+
+
+@dataclass(frozen=True)
+class Found:
+    """What find_codes recovered from a weight [N, K]: w = d * q (+ m), block by block."""
+
+    bits: int  # 4 or 8
+    q: torch.Tensor  # int8 [N, K]
+    d: torch.Tensor  # fp32 [N, K / 32], each an fp16 number
+    m: torch.Tensor | None  # fp32 [N, K / 32] (4 bits), each an fp16 number; None (8 bits)
+
+
 def find_grid(weight: torch.Tensor, kernels: NativeKernels) -> GridCodes | None:
+    """`weight` [N, K] fp32 as Q4_1 codes, else as Q8_0 codes, in the fp32 kernel's layout;
+    None if it lies on neither grid."""
+    found = find_codes(weight, kernels)
+    return None if found is None else _pack(found, out_features=weight.shape[0])
+
+
+def find_codes(weight: torch.Tensor, kernels: NativeKernels) -> Found | None:
     """`weight` [N, K] fp32 as Q4_1 codes, else as Q8_0 codes, else None. The per-block
     search runs in the kernels (ppr_grid_codes); rows are tried a few first, so a matrix off
     every grid costs little."""
@@ -98,7 +165,7 @@ def find_grid(weight: torch.Tensor, kernels: NativeKernels) -> GridCodes | None:
             continue
         found = _codes(w, bits, kernels)
         if found is not None:
-            return _pack(bits, *found, out_features=w.shape[0])
+            return Found(bits, *found)
     return None
 
 
@@ -137,9 +204,8 @@ def _panels(t: torch.Tensor, rows: int) -> torch.Tensor:
     return padded.reshape(rows // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
 
-def _pack(
-    bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, out_features: int
-) -> GridCodes:
+def _pack(found: Found, out_features: int) -> GridCodes:
+    bits, q, d, m = found.bits, found.q, found.d, found.m
     rows = -(-out_features // PANEL) * PANEL
     scale = _panels(d, rows)  # [P, K/32, 16]
     offset = _panels(m, rows) if m is not None else None
@@ -165,3 +231,42 @@ def rows_of(grid: GridCodes, ids: torch.Tensor) -> torch.Tensor:
     if grid.offset is not None:
         rows = torch.add(rows, grid.offset[p, :, j].repeat_interleave(BLOCK, dim=1))
     return rows
+
+
+def pack_pairs(found: Found, out_features: int) -> GridPairs:
+    """The codes in the bf16 kernel's layout (GridPairs; cpu_kernels.c documents it)."""
+    q, (n, k) = found.q, found.q.shape
+    rows = -(-out_features // PANEL) * PANEL
+    padded = torch.zeros((rows, k), dtype=torch.int8)
+    padded[:n] = q
+    # [P, 2 halves, 8 channels, K / 2 pairs, 2] -> [P, K / 2, 2 halves, 8 channels x 2]
+    lanes = padded.reshape(rows // PANEL, 2, 8, k // 2, 2).permute(0, 3, 1, 2, 4)
+    lanes = lanes.reshape(rows // PANEL, k // 2, 2, PANEL)
+    if found.bits == 4:
+        nibbles = lanes.view(torch.uint8)  # 0..15
+        codes = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # [P, K / 2, 16]
+    else:
+        codes = lanes.reshape(rows // PANEL, k // 2, 2 * PANEL)  # [P, K / 2, 32]
+    scale = _panels(found.d, rows).to(torch.float16)  # exact: each d is an fp16 number
+    offset = None if found.m is None else _panels(found.m, rows).to(torch.float16)
+    return GridPairs(found.bits, codes.contiguous(), scale, offset, out_features)
+
+
+def pair_rows(pairs: GridPairs, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the weight, [T, K] bf16, exactly as the bf16 kernel decodes them (a
+    tied lm_head serves the embedding lookup)."""
+    p, j = ids // PANEL, ids % PANEL
+    t, k2 = ids.shape[0], pairs.codes.shape[1]
+    half, channel, every = j // 8, j % 8, torch.arange(t)  # [T] each
+    if pairs.bits == 4:
+        byte = pairs.codes[p].reshape(t, k2, 8, 2)[every, :, channel]  # [T, K / 2, 2]
+        byte = byte.reshape(t, 2 * k2).to(torch.int32)
+        q = torch.where((half == 1)[:, None], byte >> 4, byte & 15)  # [T, K]
+    else:
+        q = pairs.codes[p].reshape(t, k2, 2, 8, 2)[every, :, half, channel]  # [T, K / 2, 2]
+        q = q.reshape(t, 2 * k2).to(torch.int32)
+    d = pairs.scale[p, :, j].float().repeat_interleave(BLOCK, dim=1)  # [T, K]
+    rows = torch.mul(q.to(torch.float32), d)  # exact: fp16 d times at most 8 bits
+    if pairs.offset is not None:
+        rows = torch.add(rows, pairs.offset[p, :, j].float().repeat_interleave(BLOCK, dim=1))
+    return rows.to(torch.bfloat16)

@@ -36,18 +36,22 @@ class Kind:
     ops: Ops
     kernels: NativeKernels | None  # the CPU kernels, where this stage uses them
     quantization: str = "none"
+    dtype: torch.dtype | None = None  # what the stage computes in (None: its weights' dtype)
 
     @classmethod
     def build(
         cls,
         kernels: NativeKernels | None = None,
         quantization: str = "none",
+        dtype: torch.dtype | None = None,
     ) -> Kind:
         """`kernels` from native.kernels_for (None: torch's ops throughout)."""
-        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization)
+        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization, dtype)
 
     def linear(self, weight: torch.Tensor) -> nn.Module:
-        return make_linear(weight, self.quantization, self.kernels)
+        """The module multiplying by `weight` [N, K] (which may still be in the checkpoint's
+        fp32 on a bf16 stage: stages/linear.py make_linear)."""
+        return make_linear(weight, self.quantization, self.kernels, self.dtype)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
@@ -158,8 +162,10 @@ class LlamaStage(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)  # [d/2]
         # First stage embeds the token ids; later stages start from what the previous sent.
         self._begin: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+        embed = weights.pop(EMBED) if self.is_first_stage else None  # [V, d]
         if self.is_first_stage:
-            self.embed_tokens: nn.Parameter | None = _param(weights.pop(EMBED))  # [V, d]
+            # (the matrices may come in fp32 for a bf16 stage: see stages/linear.py)
+            self.embed_tokens: nn.Parameter | None = _param(embed.to(self.dtype))
             self._begin = self._embed
         else:
             self._begin = self._receive
@@ -171,7 +177,7 @@ class LlamaStage(nn.Module):
         if head_rows is not None:
             head = weights.pop(LM_HEAD)  # [V, d]
             whole = head_rows == (0, head.shape[0])
-            tied = self.is_first_stage and head.data_ptr() == self.embed_tokens.data_ptr()
+            tied = embed is not None and head.data_ptr() == embed.data_ptr()
             # Part of the matrix: a copy of its rows, so the whole one can be freed.
             rows = head if whole else head[head_rows[0] : head_rows[1]].clone()
             self.lm_head = kind.linear(rows)  # [hi - lo, d]

@@ -32,7 +32,7 @@ import torch
 
 from stages.batch import BLOCK_SIZE
 from stages.grid import BLOCK as GRID_BLOCK
-from stages.grid import GridCodes
+from stages.grid import GridCodes, GridPairs
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,10 @@ class NativeKernels:
         lib.ppr_pack_bf16.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_bf16.restype = ctypes.c_int
         lib.ppr_linear_bf16.argtypes = [_vp] * 3 + [ctypes.c_int] * 3
+        lib.ppr_linear_grid_bf16.restype = ctypes.c_int
+        lib.ppr_linear_grid_bf16.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
+        lib.ppr_unpack_grid_bf16.restype = ctypes.c_int
+        lib.ppr_unpack_grid_bf16.argtypes = [_vp] * 4 + [ctypes.c_int] * 3
         lib.ppr_add_rms_norm.restype = None
         lib.ppr_add_rms_norm.argtypes = (
             [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -304,6 +308,38 @@ class NativeKernels:
             raise RuntimeError("these kernels were built without AVX512_BF16: use F.linear")
         return y
 
+    def linear_grid_bf16(self, x: torch.Tensor, pairs: GridPairs) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the bf16 layout
+        (stages/grid.py GridPairs): the same result as linear_bf16 over W's bf16 panels. Only
+        where `bf16_dot`."""
+        x = x.contiguous()
+        m, k = x.shape
+        if k != pairs.in_features:  # the codes themselves were checked when they were made
+            raise ValueError(f"grid pairs do not fit K = {k} and N = {pairs.out_features}")
+        if x.dtype is not torch.bfloat16:
+            raise ValueError(f"linear_grid_bf16 takes bfloat16 x, got {x.dtype}")
+        y = torch.empty(m, pairs.out_features, dtype=torch.bfloat16)
+        status = self._lib.ppr_linear_grid_bf16(
+            x.data_ptr(), *_grid_pointers(pairs), y.data_ptr(), m, pairs.out_features, k,
+            pairs.bits,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(
+                "linear_grid_bf16 failed: kernels without AVX512_BF16, or no memory for a buffer"
+            )
+        return y
+
+    def unpack_grid_bf16(self, pairs: GridPairs) -> torch.Tensor:
+        """The bf16 panels [ceil(N / 16), K / 2, 16, 2] (pack_bf16's layout) the codes stand
+        for, decoded by the kernel."""
+        k = pairs.in_features
+        panels = torch.empty(pairs.codes.shape[0], k // 2, PANEL, 2, dtype=torch.bfloat16)
+        if self._lib.ppr_unpack_grid_bf16(
+            *_grid_pointers(pairs), panels.data_ptr(), pairs.out_features, k, pairs.bits
+        ):
+            raise RuntimeError("these kernels were built without AVX512_BF16")
+        return panels
+
     def add_rms_norm(
         self,
         h: torch.Tensor,
@@ -395,7 +431,7 @@ class NativeKernels:
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _grid_pointers(grid: GridCodes) -> tuple[int, int, int | None]:
+def _grid_pointers(grid: GridCodes | GridPairs) -> tuple[int, int, int | None]:
     """codes, scale and offset (None for Q8_0) of `grid`, as the kernels take them."""
     offset = None if grid.offset is None else grid.offset.data_ptr()
     return grid.codes.data_ptr(), grid.scale.data_ptr(), offset

@@ -30,7 +30,14 @@ from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs, on_device
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.linear import CpuLinear, GridLinear, check_quantization
+from stages.linear import (
+    CpuBf16Linear,
+    CpuLinear,
+    GridBf16Linear,
+    GridLinear,
+    check_quantization,
+    source_dtype,
+)
 from stages.llama import Kind, LlamaStage
 from stages.partition import (
     layer_range,
@@ -109,9 +116,10 @@ class StageRunner(Stage):
             self.dtype,
             self.device,
             lm_head=head_rows is not None,
+            matrix_dtype=source_dtype(self.dtype, quantization, kernels),
         )
         self.num_tensors_read = weights.num_tensors_read
-        kind = Kind.build(kernels, quantization)
+        kind = Kind.build(kernels, quantization, self.dtype)
         self.model = LlamaStage(
             self.config, weights.tensors, start_layer, end_layer, kind, head_rows
         )
@@ -149,8 +157,8 @@ class StageRunner(Stage):
             self.attention,
             "int8 (per-channel scales)"
             if quantization == "int8"
-            else _fp32_weights(self.model)
-            if kernels is not None and self.dtype == torch.float32
+            else _cpu_weights(self.model, self.dtype)
+            if kernels is not None
             else "unquantized",
         )
         self._num_kv_blocks = num_blocks_for_budget(
@@ -564,12 +572,19 @@ def _plain_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and not params.changes_logits and not params.logprobs
 
 
-def _fp32_weights(model: torch.nn.Module) -> str:
-    """How a CPU stage holds its fp32 matrices, for the start-up log."""
-    grids = [m.grid.name for m in model.modules() if isinstance(m, GridLinear)]
-    total = sum(isinstance(m, (GridLinear, CpuLinear)) for m in model.modules())
+def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """How a CPU stage holds its fp32 or bf16 matrices, for the start-up log."""
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    coded = [m for m in model.modules() if isinstance(m, (GridLinear, GridBf16Linear))]
+    grids = [(m.grid if isinstance(m, GridLinear) else m.pairs).name for m in coded]
+    kinds = (GridLinear, CpuLinear, GridBf16Linear, CpuBf16Linear)
+    total = sum(isinstance(m, kinds) for m in model.modules())
+    if not total:
+        return f"{name}, multiplied by torch"
     if not grids:
-        return "fp32, packed in panels for the kernels"
-    kinds = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
+        return f"{name}, packed in panels for the kernels"
+    counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
     rest = "" if len(grids) == total else ", the rest packed in panels"
-    return f"fp32, {len(grids)} of {total} matrices held losslessly as GGUF codes ({kinds}){rest}"
+    return (
+        f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts}){rest}"
+    )

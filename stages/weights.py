@@ -85,11 +85,14 @@ def load_stage_weights(
     dtype: str | torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     lm_head: bool | None = None,
+    matrix_dtype: str | torch.dtype | None = None,
 ) -> StageWeights:
     """`lm_head` as in stage_tensor_names: the whole matrix is loaded under LM_HEAD (the stage
-    keeps its rows)."""
+    keeps its rows). `matrix_dtype` (None: `dtype`): the dtype of the 2-D tensors, the weight
+    matrices and the embedding (stages/linear.py source_dtype); the norms take `dtype`."""
     folder = Path(folder)
     torch_dtype = to_torch_dtype(dtype)
+    matrix_torch_dtype = to_torch_dtype(matrix_dtype or dtype)
     names = stage_tensor_names(config, start, end, lm_head)
     locations = _tensor_locations(folder)
     by_file: dict[Path, list[str]] = {}
@@ -106,7 +109,8 @@ def load_stage_weights(
                 # copy=True: get_tensor may hand back pages of the memory-mapped file, which
                 # the kernel can drop and fault back in from disk mid-forward; own the memory.
                 tensor = handle.get_tensor(name)
-                tensors[name] = tensor.to(device=device, dtype=torch_dtype, copy=True)
+                wanted = matrix_torch_dtype if tensor.dim() == 2 else torch_dtype
+                tensors[name] = tensor.to(device=device, dtype=wanted, copy=True)
                 num_read += 1
     if end == config.num_layers if lm_head is None else lm_head:
         tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]

@@ -129,3 +129,35 @@ def test_bfloat16_answers_like_transformers_in_bfloat16(
     eos = ModelConfig.from_folder(model_dir).eos_token_ids
     (answer,) = greedy_generate(chain, [prompt], 12, eos)
     assert tokenizer.decode(answer, skip_special_tokens=True) == "The capital of France is Paris."
+
+
+def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
+    model_dir: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the kernels multiply bf16 themselves, a bf16 stage holds every matrix of the
+    default model (Q4_1 layers, a Q8_0 embedding) as its codes: under half the bytes, and
+    logits equal bit for bit to the bf16 panels', at PP = 2 (the tied lm_head split off)."""
+    from stages import grid, native
+    from stages.linear import CpuBf16Linear, GridBf16Linear
+
+    kernels = native.kernels()
+    if kernels is None or not kernels.bf16_dot:
+        pytest.skip("no AVX512_BF16 here: a bf16 stage multiplies with torch")
+    seqs = [p + [260, 1012, 30, 7] for p in prompts]
+    starts = [len(p) for p in prompts]
+
+    def run(kind: type) -> tuple[list[torch.Tensor], int]:
+        chain = Chain(model_dir, [15, 15], dtype="bfloat16", kv_budget_bytes=KV_BUDGET)
+        matrices = [
+            m for s in chain.stages for m in s.model.modules() if hasattr(m, "out_features")
+        ]
+        assert matrices and all(isinstance(m, kind) for m in matrices)
+        held = sum(s.parameter_bytes for s in chain.stages)
+        return drive_teacher_forced(chain, seqs, starts, chunk_size=4, stagger=1), held
+
+    coded, coded_bytes = run(GridBf16Linear)
+    monkeypatch.setenv(grid.DISABLE_ENV, "0")
+    plain, plain_bytes = run(CpuBf16Linear)
+    assert coded_bytes < plain_bytes * 0.5  # (the first stage keeps a bf16 embedding)
+    for a, b in zip(coded, plain):
+        assert torch.equal(a, b)
