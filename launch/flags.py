@@ -34,8 +34,10 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
 
-# A CPU ring of two or more stages: one async slot, 128-token prefill chunks (pipeline_defaults).
+# A CPU ring of two or more stages: one async slot (none for bf16 stages), 128-token prefill
+# chunks (pipeline_defaults).
 CPU_PIPELINE_DEFAULTS = {"pp_async_batch_depth": 1, "chunked_prefill_size": 128}
+CPU_BF16_ASYNC_BATCH_DEPTH = 0
 
 # Scheduling flags, named as in SGLang so a user can move over without a dictionary; then the
 # stage's own: which model, how it computes, and the simulated stage's timings.
@@ -49,7 +51,7 @@ FLAGS: tuple[Flag, ...] = (
         field="pp_async_batch_depth",
         help="micro-batch slots beyond one per stage (default: "
         f"{CPU_PIPELINE_DEFAULTS['pp_async_batch_depth']} for "
-        "CPU stages at PP >= 2, else 0)",
+        "CPU stages at PP >= 2 computing in float32, else 0)",
     ),
     Flag("--max-running-requests", int, 64, agreed=True, field="max_running_requests"),
     Flag("--pp-max-micro-batch-size", int, None, agreed=True, field="pp_max_micro_batch_size"),
@@ -169,10 +171,33 @@ def pipeline_defaults(args: argparse.Namespace) -> dict[str, int]:
     stage of the default model). One slot more lets stage 0 run ahead, and 128-token chunks
     fill the pipeline in a quarter of the time. Alternated runs (32 in flight, equal work,
     PP=2 over PP=1, 4 rounds): depth 0 with 512 0.925x, depth 1 with 512 0.909x, depth 1 with
-    128 0.977x (every round its own best)."""
+    128 0.977x (every round its own best); that CPU computed in fp32, its weights streaming
+    from memory.
+
+    bf16 stages keep depth 0: their matmuls are bound by vdpbf16ps, not memory, and two slots
+    of 16 rows beat three of 11 (fewer steps, each weight decoded once for more rows). On a
+    Zen 4 EPYC, equal work, PP=2, depth 1 against 0 alternated over 3 rounds: at 32 in flight
+    350 382 397 against 485 415 438 tok/s; at 64, 455 465 422 against 457 543 488. (On a Zen 5
+    EPYC in bf16 the two had been level.) The choice follows the dtype each node resolves, so
+    the rendezvous compares the resolved values (agreed_flags)."""
     if args.pp_size >= 2 and args.device == "cpu" and args.stage_impl == "real":
+        if _computes_in_bf16(args):
+            return {**CPU_PIPELINE_DEFAULTS, "pp_async_batch_depth": CPU_BF16_ASYNC_BATCH_DEPTH}
         return CPU_PIPELINE_DEFAULTS
     return {"pp_async_batch_depth": 0, "chunked_prefill_size": RingConfig.chunked_prefill_size}
+
+
+def _computes_in_bf16(args: argparse.Namespace) -> bool:
+    """Whether a CPU stage started with these flags computes in bf16 (without int8 weights)."""
+    from stages.dtype import resolve_dtype  # torch: only where a ring is configured
+    from stages.errors import ConfigError
+
+    if getattr(args, "quantization", "none") != "none":
+        return False
+    try:
+        return resolve_dtype(args.dtype, "cpu").name == "bfloat16"
+    except ConfigError:  # the stage says so at start-up, in its own words
+        return False
 
 
 def splits_lm_head(args: argparse.Namespace) -> bool:
@@ -217,5 +242,14 @@ def stage_threads(args: argparse.Namespace) -> int | None:
 
 
 def agreed_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """What the rendezvous compares across nodes: {flag name: value} of the agreed flags."""
-    return {flag.name: getattr(args, flag.dest) for flag in FLAGS if flag.agreed}
+    """What the rendezvous compares across nodes: {flag name: value} of the agreed flags, a
+    pipeline default left out resolved as this node resolves it (it follows the node's dtype,
+    and two nodes resolving `--dtype auto` on different CPUs must not disagree silently)."""
+    resolved = pipeline_defaults(args)
+    values = {}
+    for flag in FLAGS:
+        if not flag.agreed:
+            continue
+        value = getattr(args, flag.dest)
+        values[flag.name] = resolved.get(flag.field, value) if value is None else value
+    return values

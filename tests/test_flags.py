@@ -76,7 +76,7 @@ def test_split_lm_head_auto_splits_real_cpu_rings_of_two_stages_or_more():
 
 def test_cpu_rings_of_two_stages_or_more_default_to_one_async_slot_and_short_chunks():
     def shape(*argv: str) -> tuple[int, int, int]:
-        cfg = ring_config(local.parse_args(list(argv)), rank=0)
+        cfg = ring_config(local.parse_args([*argv, "--dtype", "float32"]), rank=0)
         return cfg.pp_async_batch_depth, cfg.chunked_prefill_size, cfg.micro_batch_cap
 
     assert shape() == (0, 512, 64)  # one stage: nothing to pipeline
@@ -87,6 +87,34 @@ def test_cpu_rings_of_two_stages_or_more_default_to_one_async_slot_and_short_chu
     assert shape("--pp-size", "3", "--stage-impl", "sim") == (0, 512, 22)
     assert shape("--pp-size", "2", "--pp-async-batch-depth", "0") == (0, 128, 32)
     assert shape("--pp-size", "2", "--chunked-prefill-size", "1024") == (1, 1024, 22)
+
+
+def test_bf16_cpu_rings_default_to_no_async_slot():
+    def depth(*argv: str) -> int:
+        return ring_config(local.parse_args(["--pp-size", "2", *argv]), rank=0).pp_async_batch_depth
+
+    assert depth("--dtype", "bfloat16") == 0  # vdpbf16ps-bound: two slots of more rows
+    assert depth("--dtype", "bfloat16", "--quantization", "int8") == 1
+    assert depth("--dtype", "bfloat16", "--pp-async-batch-depth", "2") == 2
+    assert depth("--dtype", "float32") == 1
+
+
+def test_the_rendezvous_compares_resolved_pipeline_defaults():
+    """Two nodes resolving `--dtype auto` on different CPUs (bf16 on one, fp32 on the other)
+    would pick different depths: the values compared are the resolved ones, so that is a
+    clear error at start-up, not schedulers diverging mid-run."""
+    base = ["--node-rank", "0", "--nnodes", "2", "--dist-init-addr", "h:1", "--pp-size", "2"]
+
+    def ring_flags(*argv: str) -> dict[str, Any]:
+        return serve.hello_info(serve.parse_args([*base, *argv]), "hash", [15, 15])["ring_flags"]
+
+    bf16, fp32 = ring_flags("--dtype", "bfloat16"), ring_flags("--dtype", "float32")
+    assert bf16["--pp-async-batch-depth"] == 0 and fp32["--pp-async-batch-depth"] == 1
+    assert bf16["--chunked-prefill-size"] == fp32["--chunked-prefill-size"] == 128
+    assert (
+        ring_flags("--pp-async-batch-depth", "1", "--dtype", "bfloat16")["--pp-async-batch-depth"]
+        == 1
+    )
 
 
 def test_a_flag_left_at_none_is_not_written():
