@@ -88,8 +88,9 @@ def load_stage_weights(
     matrix_dtype: str | torch.dtype | None = None,
 ) -> StageWeights:
     """`lm_head` as in stage_tensor_names: the whole matrix is loaded under LM_HEAD (the stage
-    keeps its rows). `matrix_dtype` (None: `dtype`): the dtype of the 2-D tensors, the weight
-    matrices and the embedding (stages/linear.py source_dtype); the norms take `dtype`."""
+    keeps its rows). `matrix_dtype` (None: `dtype`): the dtype of the 2-D tensors the
+    checkpoint holds in fp32, the weight matrices and the embedding (stages/linear.py
+    source_dtype); everything else takes `dtype`."""
     folder = Path(folder)
     torch_dtype = to_torch_dtype(dtype)
     matrix_torch_dtype = to_torch_dtype(matrix_dtype or dtype)
@@ -109,7 +110,10 @@ def load_stage_weights(
                 # copy=True: get_tensor may hand back pages of the memory-mapped file, which
                 # the kernel can drop and fault back in from disk mid-forward; own the memory.
                 tensor = handle.get_tensor(name)
-                wanted = matrix_torch_dtype if tensor.dim() == 2 else torch_dtype
+                # fp32 matrices only from an fp32 checkpoint: another one has no fp32 values to
+                # find a grid in, and would only double its memory while it loads
+                fp32_source = tensor.dtype == torch.float32 and tensor.dim() == 2
+                wanted = matrix_torch_dtype if fp32_source else torch_dtype
                 tensors[name] = tensor.to(device=device, dtype=wanted, copy=True)
                 num_read += 1
     if end == config.num_layers if lm_head is None else lm_head:

@@ -115,6 +115,28 @@ def test_cast_to_requested_dtype(tiny_dirs: dict[str, Path]) -> None:
     assert {t.dtype for t in loaded.tensors.values()} == {torch.bfloat16}
 
 
+def test_matrices_come_in_fp32_only_from_an_fp32_checkpoint(
+    tiny_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """A bf16 stage asks for its matrices in fp32 (to find a GGUF grid in them): the norms
+    still come in bf16, and a bf16 checkpoint's matrices are not widened (no values to find)."""
+    folder = tiny_dirs["gqa"]
+    config = ModelConfig.from_folder(folder)
+    loaded = load_stage_weights(folder, config, 0, 1, "bfloat16", matrix_dtype="float32")
+    for name, tensor in loaded.tensors.items():
+        assert tensor.dtype == (torch.float32 if tensor.dim() == 2 else torch.bfloat16), name
+    halved = tmp_path / "bf16"
+    halved.mkdir()
+    for item in folder.iterdir():
+        if item.suffix != ".safetensors":
+            (halved / item.name).write_bytes(item.read_bytes())
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k).to(torch.bfloat16) for k in handle.keys()}
+    save_file(tensors, str(halved / "model.safetensors"))
+    loaded = load_stage_weights(halved, config, 0, 1, "bfloat16", matrix_dtype="float32")
+    assert {t.dtype for t in loaded.tensors.values()} == {torch.bfloat16}
+
+
 def test_stage_bytes_halve_with_two_stages(tiny_dirs: dict[str, Path]) -> None:
     folder = tiny_dirs["gqa"]
     config = ModelConfig.from_folder(folder)
