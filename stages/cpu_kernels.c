@@ -1672,6 +1672,19 @@ void ppr_pack_bf16(const uint16_t *w, uint16_t *panels, int N, int K) {
  * rows 13.5 -> 12.7, 64 rows 23.8 -> 22.9; one row and 8 rows level. */
 #define PB_MR 12
 
+/* rows [0, MR) of y, panels p0, p0 + 1 (np): the fp32 sums, each rounded to bf16 once */
+static inline __attribute__((always_inline)) void pb_store(const int MR, __m512 (*acc)[2],
+                                                           uint16_t *y, int N, int p0, int np) {
+    for (int m = 0; m < MR; m++)
+        for (int q = 0; q < np; q++) {
+            const int n0 = 16 * (p0 + q);
+            const __mmask16 keep =
+                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
+        }
+}
+
 /* y rows [0, MR) x panels p0, p0 + 1 (np of them: 1 or 2), whose packed pairs start at `unit`
  * (the panels' own memory, or a grid unit decoded into a buffer). `next`: the next unit's first
  * line, fetched two lines per K pair as this unit's two are consumed (NULL: nothing to fetch). */
@@ -1703,14 +1716,7 @@ static inline __attribute__((always_inline)) void pb_micro(const int MR, const u
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, b);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int q = 0; q < np; q++) {
-            const int n0 = 16 * (p0 + q);
-            const __mmask16 keep =
-                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
-                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
-        }
+    pb_store(MR, acc, y, N, p0, np);
 }
 
 /* every row of x, PB_MR at a time, against panels p0, p0 + 1 (np) packed at `unit`; the first
@@ -1861,14 +1867,7 @@ static inline __attribute__((always_inline)) void gb_micro(
             }
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int q = 0; q < np; q++) {
-            const int n0 = 16 * (p0 + q);
-            const __mmask16 keep =
-                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
-                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
-        }
+    pb_store(MR, acc, y, N, p0, np);
 }
 
 /* one panel's codes -> its packed bf16 pairs [K2][32] at `out` (ppr_pack_bf16's layout) */

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -40,40 +40,47 @@ _QUICK_ROWS = 16  # rows checked first, so a matrix off every grid is rejected c
 
 
 @dataclass(frozen=True)
-class GridCodes:
-    """A weight [N, K] as grid codes, in the panel layout of cpu_kernels.c."""
+class _Codes:
+    """A weight [N, K] as grid codes in one of the kernels' layouts (the subclasses)."""
 
     bits: int  # 4 (Q4_1) or 8 (Q8_0)
-    codes: torch.Tensor  # uint8 [P, K, 8] (4 bits) or int8 [P, K, 16] (8 bits)
-    scale: torch.Tensor  # fp32 [P, K / 32, 16]
-    offset: torch.Tensor | None  # fp32 [P, K / 32, 16] (4 bits), None (8 bits)
+    codes: torch.Tensor
+    scale: torch.Tensor  # [P, K / 32, 16]: d
+    offset: torch.Tensor | None  # [P, K / 32, 16]: m (4 bits), None (8 bits)
     out_features: int  # N
+
+    WHAT: ClassVar[str]  # for the error
+    SCALE_DTYPE: ClassVar[torch.dtype]
+    K_PER_ROW: ClassVar[int]  # K per row of codes along axis 1
+
+    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        raise NotImplementedError
 
     def __post_init__(self) -> None:
         """The kernels read these tensors' raw memory, so their shapes and dtypes are checked
         once, here (the dataclass is frozen), not on every call."""
         panels = -(-self.out_features // PANEL)
-        k = self.codes.shape[1] if self.codes.dim() == 3 else -1
-        code_dtype, width = (torch.uint8, 8) if self.bits == 4 else (torch.int8, PANEL)
+        k = self.in_features if self.codes.dim() == 3 else -1
+        code_dtype, code_shape = self._code_layout(panels, k)
         scales = (panels, k // BLOCK, PANEL)
         tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
         if (
             self.bits not in (4, 8)
             or k % BLOCK
             or self.codes.dtype != code_dtype
-            or tuple(self.codes.shape) != (panels, k, width)
+            or tuple(self.codes.shape) != code_shape
             or tuple(self.scale.shape) != scales
-            or self.scale.dtype != torch.float32
+            or self.scale.dtype != self.SCALE_DTYPE
             or (self.offset is None) != (self.bits == 8)
             or (self.offset is not None and tuple(self.offset.shape) != scales)
-            or (self.offset is not None and self.offset.dtype != torch.float32)
+            or (self.offset is not None and self.offset.dtype != self.SCALE_DTYPE)
             or not all(t.is_contiguous() and t.is_cpu for t in tensors)
         ):
-            raise ValueError(f"grid codes do not fit K = {k} and N = {self.out_features}")
+            raise ValueError(f"{self.WHAT} do not fit K = {k} and N = {self.out_features}")
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1]  # K
+        return self.K_PER_ROW * self.codes.shape[1]  # K
 
     @property
     def nbytes(self) -> int:
@@ -83,57 +90,40 @@ class GridCodes:
     @property
     def name(self) -> str:
         return "Q4_1" if self.bits == 4 else "Q8_0"
+
+
+@dataclass(frozen=True)
+class GridCodes(_Codes):
+    """In the panel layout of cpu_kernels.c's fp32 grid matmul (ppr_linear_grid): codes uint8
+    [P, K, 8] (4 bits) or int8 [P, K, 16] (8 bits); d and m fp32."""
+
+    WHAT: ClassVar[str] = "grid codes"
+    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float32
+    K_PER_ROW: ClassVar[int] = 1
+
+    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        return (torch.uint8, (panels, k, 8)) if self.bits == 4 else (torch.int8, (panels, k, 16))
+
+
+@dataclass(frozen=True)
+class GridPairs(_Codes):
+    """In the layout of cpu_kernels.c's bf16 grid matmul (ppr_linear_grid_bf16): per panel of
+    16 channels and K pair, the codes in the lane order their decoding lands in, uint8
+    [P, K / 2, 16] (4 bits) or int8 [P, K / 2, 32] (8 bits); d and m as the fp16 numbers
+    they are."""
+
+    WHAT: ClassVar[str] = "grid pairs"
+    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float16
+    K_PER_ROW: ClassVar[int] = 2
+
+    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        if self.bits == 4:
+            return torch.uint8, (panels, k // 2, PANEL)
+        return torch.int8, (panels, k // 2, 2 * PANEL)
 
 
 def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
-
-
-@dataclass(frozen=True)
-class GridPairs:
-    """A weight [N, K] as grid codes in the layout of cpu_kernels.c's bf16 grid matmul
-    (ppr_linear_grid_bf16): per panel of 16 channels and K pair, the codes in the lane order
-    their decoding lands in, d and m as the fp16 numbers they are."""
-
-    bits: int  # 4 (Q4_1) or 8 (Q8_0)
-    codes: torch.Tensor  # uint8 [P, K / 2, 16] (4 bits) or int8 [P, K / 2, 32] (8 bits)
-    scale: torch.Tensor  # fp16 [P, K / 32, 16]
-    offset: torch.Tensor | None  # fp16 [P, K / 32, 16] (4 bits), None (8 bits)
-    out_features: int  # N
-
-    def __post_init__(self) -> None:
-        """Checked once, here, as GridCodes is: the kernels read these tensors' raw memory."""
-        panels = -(-self.out_features // PANEL)
-        k = 2 * self.codes.shape[1] if self.codes.dim() == 3 else -1
-        code_dtype, width = (torch.uint8, PANEL) if self.bits == 4 else (torch.int8, 2 * PANEL)
-        scales = (panels, k // BLOCK, PANEL)
-        tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
-        if (
-            self.bits not in (4, 8)
-            or k % BLOCK
-            or self.codes.dtype != code_dtype
-            or tuple(self.codes.shape) != (panels, k // 2, width)
-            or tuple(self.scale.shape) != scales
-            or self.scale.dtype != torch.float16
-            or (self.offset is None) != (self.bits == 8)
-            or (self.offset is not None and tuple(self.offset.shape) != scales)
-            or (self.offset is not None and self.offset.dtype != torch.float16)
-            or not all(t.is_contiguous() and t.is_cpu for t in tensors)
-        ):
-            raise ValueError(f"grid pairs do not fit K = {k} and N = {self.out_features}")
-
-    @property
-    def in_features(self) -> int:
-        return 2 * self.codes.shape[1]  # K
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    @property
-    def name(self) -> str:
-        return "Q4_1" if self.bits == 4 else "Q8_0"
 
 
 @dataclass(frozen=True)

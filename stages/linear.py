@@ -126,11 +126,7 @@ class GridLinear(nn.Module):
         self.kernels = kernels
         self.grid = grid
         self.out_features, self.in_features = grid.out_features, grid.in_features  # N, K
-        # the same tensors as buffers too, so that the stage's parameter_bytes counts them
-        self.register_buffer("codes", grid.codes)
-        self.register_buffer("scale", grid.scale)
-        if grid.offset is not None:
-            self.register_buffer("offset", grid.offset)
+        _hold_codes(self, grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_grid(x, self.grid)  # [T, K] -> [T, N]
@@ -142,6 +138,15 @@ class GridLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] back from its codes (for tools that compare with F.linear)."""
         return _from_panels(self.kernels.unpack_grid(self.grid), self.out_features)
+
+
+def _hold_codes(module: nn.Module, coded: GridCodes | GridPairs) -> None:
+    """The codes' tensors as the module's buffers too, so that the stage's parameter_bytes
+    counts them."""
+    module.register_buffer("codes", coded.codes)
+    module.register_buffer("scale", coded.scale)
+    if coded.offset is not None:
+        module.register_buffer("offset", coded.offset)
 
 
 def _from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -172,11 +177,7 @@ class GridBf16Linear(nn.Module):
         self.kernels = kernels
         self.pairs = pairs
         self.out_features, self.in_features = pairs.out_features, pairs.in_features  # N, K
-        # the same tensors as buffers too, so that the stage's parameter_bytes counts them
-        self.register_buffer("codes", pairs.codes)
-        self.register_buffer("scale", pairs.scale)
-        if pairs.offset is not None:
-            self.register_buffer("offset", pairs.offset)
+        _hold_codes(self, pairs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_grid_bf16(x, self.pairs)  # [T, K] -> [T, N]
