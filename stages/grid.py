@@ -240,23 +240,3 @@ def pack_pairs(found: Found, out_features: int) -> GridPairs:
     scale = _panels(found.d, rows).to(torch.float16)  # exact: each d is an fp16 number
     offset = None if found.m is None else _panels(found.m, rows).to(torch.float16)
     return GridPairs(found.bits, codes.contiguous(), scale, offset, out_features)
-
-
-def pair_rows(pairs: GridPairs, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [T] of the weight, [T, K] bf16, exactly as the bf16 kernel decodes them (a
-    tied lm_head serves the embedding lookup)."""
-    p, j = ids // PANEL, ids % PANEL
-    t, k2 = ids.shape[0], pairs.codes.shape[1]
-    half, channel, every = j // 8, j % 8, torch.arange(t)  # [T] each
-    if pairs.bits == 4:
-        byte = pairs.codes[p].reshape(t, k2, 8, 2)[every, :, channel]  # [T, K / 2, 2]
-        byte = byte.reshape(t, 2 * k2).to(torch.int32)
-        q = torch.where((half == 1)[:, None], byte >> 4, byte & 15)  # [T, K]
-    else:
-        q = pairs.codes[p].reshape(t, k2, 2, 8, 2)[every, :, half, channel]  # [T, K / 2, 2]
-        q = q.reshape(t, 2 * k2).to(torch.int32)
-    d = pairs.scale[p, :, j].float().repeat_interleave(BLOCK, dim=1)  # [T, K]
-    rows = torch.mul(q.to(torch.float32), d)  # exact: fp16 d times at most 8 bits
-    if pairs.offset is not None:
-        rows = torch.add(rows, pairs.offset[p, :, j].float().repeat_interleave(BLOCK, dim=1))
-    return rows.to(torch.bfloat16)

@@ -41,7 +41,7 @@ from torch import nn
 
 from stages import grid
 from stages.errors import ConfigError
-from stages.grid import GridCodes, GridPairs, pair_rows, rows_of
+from stages.grid import GridCodes, GridPairs, rows_of
 from stages.native import PANEL, NativeKernels
 
 QUANTIZATIONS = ("none", "int8")
@@ -183,8 +183,20 @@ class GridBf16Linear(nn.Module):
         return self.kernels.linear_grid_bf16(x, self.pairs)  # [T, K] -> [T, N]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup)."""
-        return pair_rows(self.pairs, ids)
+        """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
+        kernel decodes the T panels holding them (the same bits as the matmul multiplies;
+        torch's gathers and fp16 casts over the codes took 1 ms for one token)."""
+        pairs, panel = self.pairs, ids // PANEL
+        picked = GridPairs(
+            pairs.bits,
+            pairs.codes[panel].contiguous(),
+            pairs.scale[panel].contiguous(),
+            None if pairs.offset is None else pairs.offset[panel].contiguous(),
+            out_features=ids.shape[0] * PANEL,
+        )
+        panels = self.kernels.unpack_grid_bf16(picked)  # [T, K / 2, 16, 2]
+        rows = panels[torch.arange(ids.shape[0]), :, ids % PANEL]  # [T, K / 2, 2]
+        return rows.reshape(ids.shape[0], self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] back from its codes (for tools that compare with F.linear)."""

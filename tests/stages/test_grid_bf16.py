@@ -40,6 +40,7 @@ def test_a_grid_weight_multiplies_exactly_as_its_bf16_panels(
     ids = torch.tensor([0, n - 1, 15, 16, 8, 7, 0, n // 2]) % n
     assert torch.equal(linear.rows(ids), weight.to(BF16)[ids])  # a tied embedding's lookup
     assert linear.rows(ids).dtype == BF16
+    assert linear.rows(ids[:0]).shape == (0, k)
     assert linear.pairs.nbytes < dense.panels.numel() * 2 * 0.6  # far fewer bytes than bf16
 
 
