@@ -192,7 +192,7 @@ def _computes_in_bf16(args: argparse.Namespace) -> bool:
     from stages.dtype import resolve_dtype  # torch: only where a ring is configured
     from stages.errors import ConfigError
 
-    if getattr(args, "quantization", "none") != "none":
+    if args.quantization != "none":
         return False
     try:
         return resolve_dtype(args.dtype, "cpu").name == "bfloat16"

@@ -462,6 +462,17 @@ static inline void group_page_avx512(int bf16, const void *q, int64_t q_stride, 
 }
 #endif
 
+/* whether attention runs group_page_avx512 (the heads of a KV group taking each page together)
+ * for head_dim D in this build */
+static inline int avx512_attention(int D) {
+#ifdef HAVE_AVX512_ATTENTION
+    return D % 64 == 0;
+#else
+    (void)D;
+    return 0;
+#endif
+}
+
 /* One task: query rows [row0, row0 + nrows) of one sequence, for the query heads of KV heads
  * [g0, g1). Online softmax over the context, one 16-key page at a time, in fp32. A page of the
  * cache holds all KV heads of its 16 slots back to back (16 * Hkv * D values for K, the same
@@ -502,7 +513,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
 #endif
     int raw_q = 0; /* vdpbf16ps reads the bf16 queries where they are: no fp32 copy in qv */
 #ifdef HAVE_AVX512_ATTENTION
-    const int use_avx512 = D % 64 == 0;
+    const int use_avx512 = avx512_attention(D);
 #ifdef HAVE_BF16_DOT
     raw_q = use_avx512 && elem_bytes == 2;
 #endif
@@ -646,15 +657,10 @@ int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out
      * widening, and splitting them cost more than the idle thread (one decode, 9 heads over 3
      * KV heads, 2 threads, Zen 4, alternated: context 128 18.0 19.8 17.2 -> 15.3 15.0 17.5 us a
      * layer, context 512 44.8 38.4 38.3 -> 30.9 34.0 25.3). */
-#ifdef HAVE_AVX512_ATTENTION
-    const int heads_share_pages = D % 64 == 0; /* attend_task's use_avx512 */
-#else
-    const int heads_share_pages = 0;
-#endif
     int heads_per_task = G;
     if (num_seqs < 2 * num_threads && row_tiles < 4 * num_threads) {
         groups_per_task = 1;
-        if (!heads_share_pages && num_seqs * Hkv < 2 * num_threads) heads_per_task = 1;
+        if (!avx512_attention(D) && num_seqs * Hkv < 2 * num_threads) heads_per_task = 1;
     }
     int rows_per_task = MAX_TILE_ROWS / (heads_per_task * groups_per_task);
     if (rows_per_task < 1) rows_per_task = 1;

@@ -117,16 +117,27 @@ class CpuLinear(nn.Module):
         return _from_panels(self.panels, self.out_features)
 
 
-class GridLinear(nn.Module):
-    """An fp32 weight that lies on a GGUF grid (stages/grid.py), held as its codes: the same
-    values as CpuLinear's panels, read in 3.6-5.3x fewer bytes."""
+class _HeldAsCodes(nn.Module):
+    """A weight held as grid codes (`grid`: GridCodes or GridPairs), multiplied by the kernels;
+    the subclasses say which kernel."""
 
-    def __init__(self, grid: GridCodes, kernels: NativeKernels) -> None:
+    def __init__(self, grid: GridCodes | GridPairs, kernels: NativeKernels) -> None:
         super().__init__()
         self.kernels = kernels
         self.grid = grid
         self.out_features, self.in_features = grid.out_features, grid.in_features  # N, K
-        _hold_codes(self, grid)
+        # the same tensors as buffers too, so that the stage's parameter_bytes counts them
+        self.register_buffer("codes", grid.codes)
+        self.register_buffer("scale", grid.scale)
+        if grid.offset is not None:
+            self.register_buffer("offset", grid.offset)
+
+
+class GridLinear(_HeldAsCodes):
+    """An fp32 weight that lies on a GGUF grid (stages/grid.py), held as its codes: the same
+    values as CpuLinear's panels, read in 3.6-5.3x fewer bytes."""
+
+    grid: GridCodes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear_grid(x, self.grid)  # [T, K] -> [T, N]
@@ -138,15 +149,6 @@ class GridLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] back from its codes (for tools that compare with F.linear)."""
         return _from_panels(self.kernels.unpack_grid(self.grid), self.out_features)
-
-
-def _hold_codes(module: nn.Module, coded: GridCodes | GridPairs) -> None:
-    """The codes' tensors as the module's buffers too, so that the stage's parameter_bytes
-    counts them."""
-    module.register_buffer("codes", coded.codes)
-    module.register_buffer("scale", coded.scale)
-    if coded.offset is not None:
-        module.register_buffer("offset", coded.offset)
 
 
 def _from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -167,26 +169,21 @@ def grid_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridLinear | No
     return GridLinear(found, kernels)
 
 
-class GridBf16Linear(nn.Module):
+class GridBf16Linear(_HeldAsCodes):
     """A bf16 weight whose fp32 source lies on a GGUF grid (stages/grid.py), held as its codes
     and decoded pair by pair into the products (cpu_kernels.c ppr_linear_grid_bf16): the same
     results as CpuBf16Linear, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2."""
 
-    def __init__(self, pairs: GridPairs, kernels: NativeKernels) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.pairs = pairs
-        self.out_features, self.in_features = pairs.out_features, pairs.in_features  # N, K
-        _hold_codes(self, pairs)
+    grid: GridPairs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_grid_bf16(x, self.pairs)  # [T, K] -> [T, N]
+        return self.kernels.linear_grid_bf16(x, self.grid)  # [T, K] -> [T, N]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
         kernel decodes the T panels holding them (the same bits as the matmul multiplies;
         torch's gathers and fp16 casts over the codes took 1 ms for one token)."""
-        pairs, panel = self.pairs, ids // PANEL
+        pairs, panel = self.grid, ids // PANEL
         picked = GridPairs(
             pairs.bits,
             pairs.codes[panel].contiguous(),
@@ -200,7 +197,7 @@ class GridBf16Linear(nn.Module):
 
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] back from its codes (for tools that compare with F.linear)."""
-        panels = self.kernels.unpack_grid_bf16(self.pairs)  # [P, K / 2, 16, 2]
+        panels = self.kernels.unpack_grid_bf16(self.grid)  # [P, K / 2, 16, 2]
         weight = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, self.in_features)
         return weight[: self.out_features].contiguous()
 

@@ -163,17 +163,13 @@ class LlamaStage(nn.Module):
         # First stage embeds the token ids; later stages start from what the previous sent.
         self._begin: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
         embed = weights.pop(EMBED) if self.is_first_stage else None  # [V, d]
-        if self.is_first_stage:
-            # (the matrices may come in fp32 for a bf16 stage: see stages/linear.py)
-            self.embed_tokens: nn.Parameter | None = _param(embed.to(self.dtype))
-            self._begin = self._embed
-        else:
-            self._begin = self._receive
+        self._begin = self._embed if self.is_first_stage else self._receive
         if head_rows is None and self.is_last_stage:
             head_rows = (0, config.vocab_size)
         self.head_rows = head_rows
         if self.is_last_stage:
             self.final_norm = _param(weights.pop(FINAL_NORM))  # [d]
+        head_serves_lookup = False
         if head_rows is not None:
             head = weights.pop(LM_HEAD)  # [V, d]
             whole = head_rows == (0, head.shape[0])
@@ -181,11 +177,15 @@ class LlamaStage(nn.Module):
             # Part of the matrix: a copy of its rows, so the whole one can be freed.
             rows = head if whole else head[head_rows[0] : head_rows[1]].clone()
             self.lm_head = kind.linear(rows)  # [hi - lo, d]
-            if tied and whole and hasattr(self.lm_head, "rows"):
-                # Tied on one stage: the lm_head (in whatever layout it keeps the matrix) also
-                # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
-                # cannot: the embedding stays exact in its own copy.
-                self.embed_tokens = None
+            # Tied on one stage: the lm_head (in whatever layout it keeps the matrix) also
+            # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
+            # cannot: the embedding stays exact in its own copy.
+            head_serves_lookup = tied and whole and hasattr(self.lm_head, "rows")
+        # The first stage's lookup table, in the stage dtype (the matrices may come in fp32 for
+        # a bf16 stage: stages/linear.py source_dtype); None where the lm_head serves it.
+        self.embed_tokens: nn.Parameter | None = (
+            None if embed is None or head_serves_lookup else _param(embed.to(self.dtype))
+        )
 
     def forward(
         self,

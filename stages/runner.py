@@ -575,8 +575,7 @@ def _plain_greedy(params: SamplingParams) -> bool:
 def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """How a CPU stage holds its fp32 or bf16 matrices, for the start-up log."""
     name = "fp32" if dtype == torch.float32 else "bf16"
-    coded = [m for m in model.modules() if isinstance(m, (GridLinear, GridBf16Linear))]
-    grids = [(m.grid if isinstance(m, GridLinear) else m.pairs).name for m in coded]
+    grids = [m.grid.name for m in model.modules() if isinstance(m, (GridLinear, GridBf16Linear))]
     kinds = (GridLinear, CpuLinear, GridBf16Linear, CpuBf16Linear)
     total = sum(isinstance(m, kinds) for m in model.modules())
     if not total:

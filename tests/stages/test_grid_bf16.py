@@ -30,7 +30,7 @@ def test_a_grid_weight_multiplies_exactly_as_its_bf16_panels(
 ) -> None:
     weight = make(n, k, seed=n + k)  # fp32, as the checkpoint holds it
     linear = make_linear(weight, "none", kernels, BF16)
-    assert isinstance(linear, GridBf16Linear) and linear.pairs.bits == bits
+    assert isinstance(linear, GridBf16Linear) and linear.grid.bits == bits
     assert torch.equal(linear.dense_weight(), weight.to(BF16))
     dense = CpuBf16Linear(weight.to(BF16), kernels)
     # 1-12 rows decode into the products; 13 and up decode a unit once into a buffer
@@ -41,7 +41,7 @@ def test_a_grid_weight_multiplies_exactly_as_its_bf16_panels(
     assert torch.equal(linear.rows(ids), weight.to(BF16)[ids])  # a tied embedding's lookup
     assert linear.rows(ids).dtype == BF16
     assert linear.rows(ids[:0]).shape == (0, k)
-    assert linear.pairs.nbytes < dense.panels.numel() * 2 * 0.6  # far fewer bytes than bf16
+    assert linear.grid.nbytes < dense.panels.numel() * 2 * 0.6  # far fewer bytes than bf16
 
 
 def test_a_row_does_not_depend_on_its_batch(kernels: native.NativeKernels) -> None:
