@@ -457,9 +457,14 @@ class StageRunner(Stage):
             if logits is None:
                 logits = self.model.compute_logits(step.h, step.residual, step.inputs.sample_rows)
             params = _picked_params(chunks, sampling)
-            if self.overlap and all(_plain_greedy(p) for p in params):
-                tokens = _to_host(row_argmax(logits))  # [N]
-                return DeviceSample(tokens, new_event(self.device))
+            if all(_plain_greedy(p) for p in params):
+                # No fp32 copy of the logits (the argmax of bf16 values is that of their fp32
+                # values) and max(dim), not argmax: on one Zen 4 thread, 32 rows, the sampler's
+                # copy and argmax took 2.5 ms of a 79 ms step.
+                tokens = row_argmax(logits)  # [N]
+                if self.overlap:
+                    return DeviceSample(_to_host(tokens), new_event(self.device))
+                return SampleResult(token_ids=tokens.tolist())
             return _sample_picked(logits, chunks, sampling, histories)
 
     def _share(
