@@ -104,6 +104,8 @@ class NativeKernels:
         lib.ppr_silu_mul.argtypes = [ctypes.c_int, _vp, _vp, ctypes.c_int64, _vp] + [
             ctypes.c_int
         ] * 2
+        lib.ppr_row_argmax.restype = None
+        lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
 
     def paged_attention(
@@ -425,6 +427,20 @@ class NativeKernels:
             num_tokens,
             width // 2,
         )
+        return out
+
+    def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] fp32 or bf16 (rows may be strided) -> [N] int64: each row's first maximal
+        index, NaN the largest, as torch's argmax(dim=-1)."""
+        if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in _ELEM_BYTES:
+            raise ValueError("row_argmax takes [N, V] fp32 or bf16 with unit stride along V")
+        num_rows, vocab = logits.shape
+        out = torch.empty(num_rows, dtype=torch.int64)
+        if num_rows and vocab:
+            self._lib.ppr_row_argmax(
+                _ELEM_BYTES[logits.dtype], logits.data_ptr(), logits.stride(0), out.data_ptr(),
+                num_rows, vocab,
+            )  # fmt: skip
         return out
 
 

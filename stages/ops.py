@@ -1,7 +1,8 @@
 """The small ops around a layer's matmuls, in torch or in the CPU kernels, chosen once per stage.
 
 A decoder layer's work besides its matmuls and attention is: add + RMSNorm (twice), RoPE on q
-and k with K and V stored in the paged cache, and SiLU(gate) * up. In torch that is about twenty
+and k with K and V stored in the paged cache, and SiLU(gate) * up; a sampling stage's greedy
+rows add an argmax over the vocabulary. In torch that is about twenty
 ops a layer, each a Python dispatch and a pass over memory; on a 2-core CPU at batch 32 they cost
 as much as a third of the matmuls (RMSNorm alone, decomposed into pow/mean/rsqrt/mul, 8 ms a
 step). `NativeOps` does each in one call of `cpu_kernels.c`; `TorchOps` is the same arithmetic in
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from stages.kv_cache import store_kv
 from stages.native import NativeKernels
+from stages.sampler import row_argmax
 
 
 class TorchOps:
@@ -64,6 +66,10 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return F.silu(gate) * up
 
+    def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] -> [N]: each row's first maximal index, NaN the largest (sampler.row_argmax)."""
+        return row_argmax(logits)
+
 
 class NativeOps:
     """The same ops as TorchOps, one kernel call each (CPU, float32 or bfloat16): the kernels'
@@ -75,6 +81,7 @@ class NativeOps:
         self.add_rms_norm = kernels.add_rms_norm
         self.rope_store = kernels.rope_store
         self.silu_mul = kernels.silu_mul
+        self.row_argmax = kernels.row_argmax
 
     def rope_tables(
         self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype

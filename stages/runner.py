@@ -46,7 +46,7 @@ from stages.partition import (
     partition_layers,
     vocab_cut,
 )
-from stages.sampler import GREEDY, row_argmax, sample
+from stages.sampler import GREEDY, sample
 from stages.weights import load_stage_weights, to_torch_dtype
 
 logger = logging.getLogger(__name__)
@@ -459,9 +459,9 @@ class StageRunner(Stage):
             params = _picked_params(chunks, sampling)
             if all(_plain_greedy(p) for p in params):
                 # No fp32 copy of the logits (the argmax of bf16 values is that of their fp32
-                # values) and max(dim), not argmax: on one Zen 4 thread, 32 rows, the sampler's
+                # values), and not torch's argmax: on one Zen 4 thread, 32 rows, the sampler's
                 # copy and argmax took 2.5 ms of a 79 ms step.
-                tokens = row_argmax(logits)  # [N]
+                tokens = self.model.ops.row_argmax(logits)  # [N]
                 if self.overlap:
                     return DeviceSample(_to_host(tokens), new_event(self.device))
                 return SampleResult(token_ids=tokens.tolist())
@@ -484,7 +484,7 @@ class StageRunner(Stage):
             part = self.model.lm_head(x)  # [N, V - cut]
             if not all(_plain_greedy(p) for p in params):
                 return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
-            best = row_argmax(part)  # [N]: the first of equal maxima, as argmax over all V
+            best = self.model.ops.row_argmax(part)  # [N]: the first of equal maxima, as over all V
             best_logit = part.gather(1, best[:, None]).squeeze(1)  # [N]
             return LogitsShare(
                 hidden=x, logits=empty, best_logit=best_logit, best_token=best + self.vocab_cut
@@ -508,7 +508,7 @@ class StageRunner(Stage):
             hidden = on_device(share["hidden"], self.device).to(self.device, self.dtype)
             own = self.model.lm_head(hidden)  # [N, cut]
             if share["best_token"].numel():  # plain greedy: the better of two maxima
-                best_own = row_argmax(own)  # [N]
+                best_own = self.model.ops.row_argmax(own)  # [N]
                 own_logit = own.gather(1, best_own[:, None]).squeeze(1)
                 theirs = share["best_logit"].to(self.device, own.dtype)
                 # A tie goes to the lower token id, as argmax over the whole row would.

@@ -248,6 +248,26 @@ def test_small_ops_match_torch(kernels: native.NativeKernels, dtype: torch.dtype
     assert (kv_ours.float() - kv_theirs.float()).abs().max().item() < tolerance * 10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torch_argmax_ties_nan_and_strides_included(
+    kernels: native.NativeKernels, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(5)
+    for rows, vocab in [(1, 1), (3, 17), (9, 1000), (32, 49152), (4, 24577)]:
+        ties = torch.randint(-3, 4, (rows, vocab)).to(dtype)  # many equal maxima per row
+        spread = torch.randn(rows, vocab).to(dtype)
+        strided = torch.randn(rows, 2 * vocab).to(dtype)[:, :vocab]  # a split's half row
+        edges = torch.full((rows, vocab), -math.inf, dtype=dtype)  # all -inf: index 0
+        edges[-1, vocab // 2] = math.inf
+        for x in (ties, spread, strided, edges):
+            assert torch.equal(kernels.row_argmax(x), x.argmax(dim=-1))
+        if vocab > 1:  # a NaN beats every number, and the first NaN wins
+            ties[0, vocab - 1] = ties[-1, vocab // 2] = ties[-1, vocab - 1] = math.nan
+            assert torch.equal(kernels.row_argmax(ties), ties.argmax(dim=-1))
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.row_argmax(torch.randn(8, 4).t())
+
+
 def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels) -> None:
     h = torch.randn(4, 8)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
