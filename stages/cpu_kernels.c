@@ -416,23 +416,97 @@ static inline __attribute__((always_inline)) void page_values_avx512(
     }
 }
 
+#ifdef HAVE_BF16_DOT
+/* Scores of NH raw bf16 queries (q_stride elements apart) against a page held as pairs
+ * (kv_as_pairs): lane j of each result is key j's score. Per pair of dimensions, the query's
+ * pair is broadcast against one vector of all 16 keys' pairs; four sums per head in flight
+ * hide vdpbf16ps's latency. */
+static inline __attribute__((always_inline)) void page_scores_pairs(
+    const int NH, const uint16_t *q, int64_t q_stride, const uint16_t *kt, int D, float scale,
+    __m512 *out) {
+    __m512 a[4][4];
+    for (int h = 0; h < NH; h++)
+        for (int i = 0; i < 4; i++) a[h][i] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 2; c += 4) {
+        __m512bh k[4];
+        for (int i = 0; i < 4; i++) k[i] = (__m512bh)_mm512_loadu_si512(kt + (c + i) * 32);
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) {
+                int32_t pair; /* dimensions 2 (c + i), 2 (c + i) + 1 of query h */
+                memcpy(&pair, q + h * q_stride + 2 * (c + i), 4);
+                a[h][i] = _mm512_dpbf16_ps(a[h][i], k[i], (__m512bh)_mm512_set1_epi32(pair));
+            }
+    }
+    for (int h = 0; h < NH; h++)
+        out[h] = _mm512_mul_ps(
+            _mm512_add_ps(_mm512_add_ps(a[h][0], a[h][1]), _mm512_add_ps(a[h][2], a[h][3])),
+            _mm512_set1_ps(scale));
+}
+
+/* acc[h] += sum_j p[h][j] V[j] over a page's first lim slots held as pairs (vt [8][D][2]):
+ * per slot pair, the two probabilities as one bf16 pair broadcast against 16 dimensions of both
+ * slots' values. p[h] is 0 from lim on; a slot past lim may hold anything (NaN), so the pair
+ * that straddles lim has its second slot's values zeroed. */
+static inline __attribute__((always_inline)) void page_values_pairs(
+    const int NH, const uint16_t (*pb)[PAGE], const uint16_t *vt, int lim, int D, float *acc) {
+    const int num_pairs = (lim + 1) / 2;
+    for (int c = 0; c < D; c += 64) {
+        __m512 o[4][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = _mm512_loadu_ps(acc + h * D + c + 16 * i);
+        for (int kp = 0; kp < num_pairs; kp++) {
+            __m512bh vv[4];
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512(vt + ((int64_t)kp * D + c + 16 * i) * 2);
+                if (2 * kp + 1 >= lim) /* keep the even words: slot 2 kp's values */
+                    v = _mm512_maskz_mov_epi16((__mmask32)0x55555555u, v);
+                vv[i] = (__m512bh)v;
+            }
+            for (int h = 0; h < NH; h++) {
+                int32_t pair; /* p[h][2 kp], p[h][2 kp + 1] */
+                memcpy(&pair, &pb[h][2 * kp], 4);
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+                for (int i = 0; i < 4; i++) o[h][i] = _mm512_dpbf16_ps(o[h][i], vv[i], pp);
+            }
+        }
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + h * D + c + 16 * i, o[h][i]);
+    }
+}
+#endif
+
 /* nq query vectors of one query row (heads of one KV group: they see the same lim keys) against
  * one page, with the online-softmax update of each one's m, l and acc [nq, D]. q holds the
  * queries (bf16 raw or fp32 scaled, see page_scores_avx512) q_stride bytes apart. D is a
  * multiple of 64. */
-static inline void group_page_avx512(int bf16, const void *q, int64_t q_stride, const void *kp,
-                                     const void *vp, int64_t kstride, int lim, int D, int nq,
-                                     float scale, float *m, float *l, float *acc,
+static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t q_stride,
+                                     const void *kp, const void *vp, int64_t kstride, int lim,
+                                     int D, int nq, float scale, float *m, float *l, float *acc,
                                      const PagePrefetch *pf, int *call, int num_calls) {
     const __mmask16 valid = lim >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim) - 1);
     float p[4][PAGE];
+    uint16_t pb[4][PAGE]; /* (pairs) p rounded to bf16 */
     for (int h0 = 0; h0 < nq; h0 += 4) {
         const int nh = nq - h0 < 4 ? nq - h0 : 4;
+        __m512 scores[4];
+#ifdef HAVE_BF16_DOT
+        if (pairs) { /* bf16, raw queries */
+            const uint16_t *qh = (const uint16_t *)((const char *)q + h0 * q_stride);
+            const int64_t qs = q_stride / 2;
+            const uint16_t *kt = (const uint16_t *)kp;
+            switch (nh) {
+            case 1: page_scores_pairs(1, qh, qs, kt, D, scale, scores); break;
+            case 2: page_scores_pairs(2, qh, qs, kt, D, scale, scores); break;
+            case 3: page_scores_pairs(3, qh, qs, kt, D, scale, scores); break;
+            default: page_scores_pairs(4, qh, qs, kt, D, scale, scores); break;
+            }
+        }
+#endif
         for (int h = 0; h < nh; h++) {
             const int r = h0 + h;
             const char *qr = (const char *)q + r * q_stride;
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
-            __m512 sc = page_scores_avx512(bf16, qr, kp, kstride, D, scale);
+            __m512 sc = pairs ? scores[h] : page_scores_avx512(bf16, qr, kp, kstride, D, scale);
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
             sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
             const float page_max = _mm512_reduce_max_ps(sc);
@@ -450,8 +524,24 @@ static inline void group_page_avx512(int bf16, const void *q, int64_t q_stride, 
                 valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
             l[r] += _mm512_reduce_add_ps(pv);
             _mm512_storeu_ps(p[h], pv);
+#ifdef HAVE_BF16_DOT
+            if (pairs)
+                _mm256_storeu_si256((__m256i *)pb[h], (__m256i)_mm512_cvtneps_pbh(pv));
+#endif
         }
         float *a = acc + h0 * D;
+#ifdef HAVE_BF16_DOT
+        if (pairs) {
+            const uint16_t *vt = (const uint16_t *)vp;
+            switch (nh) {
+            case 1: page_values_pairs(1, pb, vt, lim, D, a); break;
+            case 2: page_values_pairs(2, pb, vt, lim, D, a); break;
+            case 3: page_values_pairs(3, pb, vt, lim, D, a); break;
+            default: page_values_pairs(4, pb, vt, lim, D, a); break;
+            }
+            continue;
+        }
+#endif
         switch (nh) {
         case 1: page_values_avx512(1, bf16, p, vp, kstride, lim, D, a); break;
         case 2: page_values_avx512(2, bf16, p, vp, kstride, lim, D, a); break;
@@ -472,6 +562,25 @@ static inline int avx512_attention(int D) {
     return 0;
 #endif
 }
+
+/* Whether this build holds a bf16 cache's pages as pairs: within each 16-slot page, each KV
+ * head's keys as [D / 2][16][2] (dimension pair, slot, element) and its values as [8][D][2]
+ * (slot pair, dimension, element), not as 16 rows of D. vdpbf16ps then scores a query against
+ * the page's 16 keys with no sum across lanes (a transposing add tree cost 45 ops a head and
+ * page), and multiplies the page's 16 probabilities, rounded to bf16 pairs, into V (widening
+ * every V row to fp32 for FMAs cost more than the FMAs). A stage's cache is written only by
+ * ppr_rope_store and read only by ppr_paged_attention, which both follow this; native.py
+ * converts a cache built by hand (tests). */
+static inline int kv_as_pairs(int elem_bytes, int D) {
+#ifdef HAVE_BF16_DOT
+    return elem_bytes == 2 && avx512_attention(D);
+#else
+    (void)elem_bytes, (void)D;
+    return 0;
+#endif
+}
+
+int ppr_kv_as_pairs(int elem_bytes, int D) { return kv_as_pairs(elem_bytes, D); }
 
 /* One task: query rows [row0, row0 + nrows) of one sequence, for the query heads of KV heads
  * [g0, g1). Online softmax over the context, one 16-key page at a time, in fp32. A page of the
@@ -518,6 +627,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
     raw_q = use_avx512 && elem_bytes == 2;
 #endif
 #endif
+    const int pairs = kv_as_pairs(elem_bytes, D); /* (then use_avx512 and raw_q hold too) */
 
     for (int i = 0; i < task->nrows; i++) {
         const int64_t t = q_start[s_idx] + task->row0 + i;
@@ -540,8 +650,11 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
     const int last_pos = first_pos + task->row0 + task->nrows - 1;
     const int num_pages = last_pos / PAGE + 1;
     const int64_t span_bytes = (int64_t)num_groups * D * elem_bytes; /* a slot's task heads */
-    PagePrefetch pf = {NULL, NULL, row_stride * elem_bytes, (int)((span_bytes + 63) / 64), 0};
+    /* (pairs: the task's heads of a page are PAGE * D values each, back to back, in K and V) */
+    PagePrefetch pf = {NULL, NULL, pairs ? span_bytes : row_stride * elem_bytes,
+                       (int)((span_bytes + 63) / 64), 0};
     pf.lines = PAGE * pf.lines_per_row;
+    const int head_step = pairs ? PAGE : 1; /* a head's offset in a page, in units of D */
     const int first_row_pos = first_pos + task->row0;
     for (int page = 0; page < num_pages; page++) {
         const int key0 = page * PAGE;
@@ -551,8 +664,9 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
         const int calls_per_page = (task->nrows - rows_before) * num_groups * nh;
         const int prefetching = page + 1 < num_pages;
         if (prefetching) {
-            pf.k = (const char *)kv + ((int64_t)blocks[page + 1] * PAGE * Hkv + task->g0) * D *
-                                          elem_bytes;
+            pf.k = (const char *)kv +
+                   ((int64_t)blocks[page + 1] * PAGE * Hkv + (int64_t)task->g0 * head_step) * D *
+                       elem_bytes;
             pf.v = pf.k + v_offset * elem_bytes;
         }
         int call = 0;
@@ -560,7 +674,9 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
             const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
 #ifdef HAVE_AVX512_ATTENTION
             if (use_avx512) {
-                const char *kb = (const char *)kv + base * elem_bytes;
+                const char *kb =
+                    (const char *)kv +
+                    ((int64_t)blocks[page] * PAGE * Hkv + (int64_t)g * head_step) * D * elem_bytes;
                 for (int i = 0; i < task->nrows; i++) {
                     const int r = (i * num_groups + (g - task->g0)) * nh; /* its first head */
                     int lim = pos[r] + 1 - key0;
@@ -571,8 +687,8 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
                         raw_q ? (const void *)((const uint16_t *)q +
                                                query_offset(task, t, (g - task->g0) * nh, G, H, D))
                               : (const void *)(qv + r * D);
-                    group_page_avx512(elem_bytes == 2, qr, (int64_t)D * (raw_q ? 2 : 4), kb,
-                                      kb + v_offset * elem_bytes, row_stride, lim, D, nh,
+                    group_page_avx512(elem_bytes == 2, pairs, qr, (int64_t)D * (raw_q ? 2 : 4),
+                                      kb, kb + v_offset * elem_bytes, row_stride, lim, D, nh,
                                       raw_q ? scale : 1.0f, &m[r], &l[r], acc + r * D,
                                       prefetching ? &pf : NULL, &call, calls_per_page);
                 }
@@ -1555,21 +1671,57 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
     }
 }
 
+/* one bf16 head row x [D] rotated into o [D], rounded where transformers rounds in bf16: cos
+ * and sin, each product, the sum (rounding once instead sent greedy text elsewhere within 30
+ * tokens) */
+static inline void rope_row_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *o,
+                                 int D) {
+    const int half = D / 2;
+    int i0 = 0;
+#ifdef HAVE_AVX2_ATTENTION
+    if (half % 8 == 0)
+        for (; i0 + 8 <= D; i0 += 8) {
+            const int j0 = i0 < half ? i0 + half : i0 - half;
+            const __m256 cb = bf16x8_round(_mm256_loadu_ps(c + i0));
+            const __m256 sb = bf16x8_round(_mm256_loadu_ps(s + i0));
+            const __m256 xc = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + i0), cb));
+            const __m256 xs = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + j0), sb));
+            bf16x8_store(o + i0, _mm256_add_ps(xc, xs));
+        }
+#endif
+    for (int i = i0; i < D; i++) {
+        const int j = i < half ? i + half : i - half;
+        const float cb = bf16_load(bf16_store(c[i])), sb = bf16_load(bf16_store(s[i]));
+        o[i] = bf16_store(bf16_load(bf16_store(bf16_load(x[i]) * cb)) +
+                          bf16_load(bf16_store(bf16_load(x[j]) * sb)));
+    }
+}
+
 /* RoPE (rotate-half) on q and k, and this step's K and V stored at their cache slots. q, k and v
  * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
  * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
  * what attention reads); cos and signed sin are [T, D] fp32 (the sine's first half negated):
- * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. */
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. K and V land in rows of the cache, or as
+ * pairs where kv_as_pairs. */
 void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
                     const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
                     int H, int Hkv, int D) {
-    const int half = D / 2;
+    const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
     const int64_t v_offset = num_slots * Hkv * D;
 #pragma omp parallel for schedule(guided, 4) if (T >= 8)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        /* pairs: slot j of its page; head g's keys and values start PAGE * D * g into the page */
+        const int64_t page_start = slots[t] / PAGE * PAGE * Hkv * D, j = slots[t] % PAGE;
         for (int h = 0; h < H + Hkv; h++) {
             const int64_t src = (int64_t)t * row + (int64_t)h * D; /* q heads, then k heads */
+            if (h >= H && pairs) { /* [D / 2][16][2] */
+                uint16_t key[D];
+                rope_row_bf16((const uint16_t *)qkv + src, c, s, key, D);
+                uint16_t *kt = (uint16_t *)kv + page_start + (int64_t)(h - H) * PAGE * D;
+                for (int d = 0; d < D; d++) kt[(d / 2) * 2 * PAGE + j * 2 + d % 2] = key[d];
+                continue;
+            }
             const int64_t dst = h < H ? ((int64_t)t * H + h) * D : (slots[t] * Hkv + h - H) * D;
             void *out = h < H ? q_out : kv;
             if (elem_bytes == 4) {
@@ -1580,32 +1732,18 @@ void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, c
 #pragma omp simd
                 for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
             } else {
-                const uint16_t *x = (const uint16_t *)qkv + src;
-                uint16_t *o = (uint16_t *)out + dst;
-                /* rounded where transformers rounds in bf16: cos and sin, each product, the
-                 * sum (rounding once instead sent greedy text elsewhere within 30 tokens) */
-                int i0 = 0;
-#ifdef HAVE_AVX2_ATTENTION
-                if (half % 8 == 0)
-                    for (; i0 + 8 <= D; i0 += 8) {
-                        const int j0 = i0 < half ? i0 + half : i0 - half;
-                        const __m256 cb = bf16x8_round(_mm256_loadu_ps(c + i0));
-                        const __m256 sb = bf16x8_round(_mm256_loadu_ps(s + i0));
-                        bf16x8_store(o + i0, _mm256_add_ps(
-                            bf16x8_round(_mm256_mul_ps(bf16x8_load(x + i0), cb)),
-                            bf16x8_round(_mm256_mul_ps(bf16x8_load(x + j0), sb))));
-                    }
-#endif
-                for (int i = i0; i < D; i++) {
-                    const int j = i < half ? i + half : i - half;
-                    const float cb = bf16_load(bf16_store(c[i])), sb = bf16_load(bf16_store(s[i]));
-                    o[i] = bf16_store(bf16_load(bf16_store(bf16_load(x[i]) * cb)) +
-                                      bf16_load(bf16_store(bf16_load(x[j]) * sb)));
-                }
+                rope_row_bf16((const uint16_t *)qkv + src, c, s, (uint16_t *)out + dst, D);
             }
         }
         for (int g = 0; g < Hkv; g++) {
             const int64_t src = (int64_t)t * row + (int64_t)(H + Hkv + g) * D;
+            if (pairs) { /* [8][D][2] */
+                const uint16_t *x = (const uint16_t *)qkv + src;
+                uint16_t *vt = (uint16_t *)kv + v_offset + page_start + (int64_t)g * PAGE * D +
+                               (j / 2) * 2 * D + j % 2;
+                for (int d = 0; d < D; d++) vt[2 * d] = x[d];
+                continue;
+            }
             const int64_t dst = v_offset + (slots[t] * Hkv + g) * D;
             memcpy((char *)kv + dst * elem_bytes, (const char *)qkv + src * elem_bytes,
                    (size_t)elem_bytes * D);

@@ -39,7 +39,9 @@ class KVCache:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         # Zeroed, not empty: a slot no sequence has written yet must never hold NaN garbage.
-        # [layers, 2, slots, h_kv, d]
+        # [layers, 2, slots, h_kv, d]; a bf16 stage on AVX512_BF16 kernels holds each 16-slot
+        # page's K and V as pairs inside that shape (native.py kv_as_pairs), and only the
+        # kernels read or write it then.
         self.data = torch.zeros(
             num_layers,
             2,

@@ -104,6 +104,8 @@ class NativeKernels:
         lib.ppr_silu_mul.argtypes = [ctypes.c_int, _vp, _vp, ctypes.c_int64, _vp] + [
             ctypes.c_int
         ] * 2
+        lib.ppr_kv_as_pairs.restype = ctypes.c_int
+        lib.ppr_kv_as_pairs.argtypes = [ctypes.c_int] * 2
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -152,6 +154,45 @@ class NativeKernels:
                 f"paged attention failed for {num_heads} heads over {num_kv_heads} KV heads"
             )
         return out
+
+    def kv_as_pairs(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether this build holds a cache of this dtype and head_dim as pairs (cpu_kernels.c
+        kv_as_pairs: bf16 where vdpbf16ps runs attention). rope_store writes that layout and
+        paged_attention reads it; nothing else reads a stage's cache."""
+        if dtype not in _ELEM_BYTES:
+            return False
+        return bool(self._lib.ppr_kv_as_pairs(_ELEM_BYTES[dtype], head_dim))
+
+    def to_cache_layout(self, kv_layer: torch.Tensor) -> torch.Tensor:
+        """A copy of kv_layer [2, slots, h_kv, d] (rows: torch's layout) in this build's: where
+        kv_as_pairs, each page's keys as [h_kv, d / 2, 16, 2] and values as [h_kv, 8, d, 2]."""
+        _, num_slots, num_kv_heads, head_dim = kv_layer.shape
+        if not self.kv_as_pairs(kv_layer.dtype, head_dim):
+            return kv_layer.clone()
+        pages = num_slots // BLOCK_SIZE
+        k = kv_layer[0].reshape(pages, BLOCK_SIZE, num_kv_heads, head_dim // 2, 2)
+        v = kv_layer[1].reshape(pages, BLOCK_SIZE // 2, 2, num_kv_heads, head_dim)
+        return torch.stack(
+            (
+                k.permute(0, 2, 3, 1, 4).reshape(num_slots, num_kv_heads, head_dim),
+                v.permute(0, 3, 1, 4, 2).reshape(num_slots, num_kv_heads, head_dim),
+            )
+        )
+
+    def from_cache_layout(self, kv_layer: torch.Tensor) -> torch.Tensor:
+        """The inverse of to_cache_layout: a copy in rows."""
+        _, num_slots, num_kv_heads, head_dim = kv_layer.shape
+        if not self.kv_as_pairs(kv_layer.dtype, head_dim):
+            return kv_layer.clone()
+        pages = num_slots // BLOCK_SIZE
+        k = kv_layer[0].reshape(pages, num_kv_heads, head_dim // 2, BLOCK_SIZE, 2)
+        v = kv_layer[1].reshape(pages, num_kv_heads, BLOCK_SIZE // 2, head_dim, 2)
+        return torch.stack(
+            (
+                k.permute(0, 3, 1, 2, 4).reshape(num_slots, num_kv_heads, head_dim),
+                v.permute(0, 2, 4, 1, 3).reshape(num_slots, num_kv_heads, head_dim),
+            )
+        )
 
     def pack_f32(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] fp32 -> panels [ceil(N / 16), K, 16]: panels[p, k, j] = weight[16p + j, k],

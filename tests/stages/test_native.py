@@ -197,7 +197,7 @@ def test_paged_attention_matches_a_plain_softmax(
     width = max(len(b) for _, _, b in chunks)
     got = kernels.paged_attention(
         q,
-        kv,
+        kernels.to_cache_layout(kv),  # as pairs where this build holds them so
         starts,
         torch.tensor([n for _, n, _ in chunks], dtype=i32),
         torch.tensor([s + n for s, n, _ in chunks], dtype=i32),
@@ -266,6 +266,34 @@ def test_row_argmax_is_torch_argmax_ties_nan_and_strides_included(
             assert torch.equal(kernels.row_argmax(ties), ties.argmax(dim=-1))
     with pytest.raises(ValueError, match="unit stride"):
         kernels.row_argmax(torch.randn(8, 4).t())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_store_writes_the_layout_attention_reads(
+    kernels: native.NativeKernels, head_dim: int
+) -> None:
+    # A bf16 cache this build holds as pairs (AVX512_BF16, head_dim a multiple of 64): the K and
+    # V that rope_store writes, read back as rows, are TorchOps'. (Attention reading that
+    # layout: test_paged_attention_matches_a_plain_softmax, over a converted cache.)
+    torch.manual_seed(head_dim)
+    ours, theirs = NativeOps(kernels), TorchOps()
+    heads, kv_heads, num_tokens, dtype = 6, 2, 11, torch.bfloat16
+    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 4, 1000, 7, 8])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    slots = torch.randperm(48)[:num_tokens]
+    kv_ours = torch.zeros(2, 48, kv_heads, head_dim, dtype=dtype)
+    kv_theirs = kv_ours.clone()
+    q1 = ours.rope_store(qkv, *ours.rope_tables(positions, inv_freq, dtype), slots, kv_ours, heads)
+    q2 = theirs.rope_store(
+        qkv, *theirs.rope_tables(positions, inv_freq, dtype), slots, kv_theirs, heads
+    )
+    assert torch.equal(q1, q2)  # the same roundings (test_small_ops_match_torch: head_dim 16)
+    assert torch.equal(kernels.from_cache_layout(kv_ours), kv_theirs)
+    assert torch.equal(kv_ours, kernels.to_cache_layout(kv_theirs))
+    if kernels.kv_as_pairs(dtype, head_dim):
+        assert not torch.equal(kv_ours, kv_theirs)  # the layout did change
+        assert not torch.equal(kv_ours[1], kv_theirs[1])  # values too
 
 
 def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels) -> None:
