@@ -210,6 +210,24 @@ def test_paged_attention_matches_a_plain_softmax(
     assert (got.double() - expected).abs().max().item() < tolerance
 
 
+def rope_store_both(
+    ours: NativeOps, theirs: TorchOps, dtype: torch.dtype, head_dim: int, num_slots: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One batch of 11 tokens' qkv (6 heads over 2 KV heads) through both ops' rope_store, each
+    into a fresh cache of num_slots: (q, kv) of each."""
+    heads, kv_heads = 6, 2
+    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 4, 1000, 7, 8])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    slots = torch.randperm(num_slots)[: len(positions)]
+    results = []
+    for ops in (ours, theirs):
+        kv = torch.zeros(2, num_slots, kv_heads, head_dim, dtype=dtype)
+        q = ops.rope_store(qkv, *ops.rope_tables(positions, inv_freq, dtype), slots, kv, heads)
+        results.append((q, kv))
+    return results[0], results[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_ops_match_torch(kernels: native.NativeKernels, dtype: torch.dtype) -> None:
     torch.manual_seed(1)
@@ -233,17 +251,7 @@ def test_small_ops_match_torch(kernels: native.NativeKernels, dtype: torch.dtype
         tolerance * 10
     )
 
-    heads, kv_heads, head_dim = 6, 2, 16
-    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 4, 1000, 7, 8])
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    slots = torch.randperm(64)[:num_tokens]
-    kv_ours = torch.zeros(2, 64, kv_heads, head_dim, dtype=dtype)
-    kv_theirs = kv_ours.clone()
-    q1 = ours.rope_store(qkv, *ours.rope_tables(positions, inv_freq, dtype), slots, kv_ours, heads)
-    q2 = theirs.rope_store(
-        qkv, *theirs.rope_tables(positions, inv_freq, dtype), slots, kv_theirs, heads
-    )
+    (q1, kv_ours), (q2, kv_theirs) = rope_store_both(ours, theirs, dtype, 16, num_slots=64)
     assert (q1.float() - q2.float()).abs().max().item() < tolerance * 10
     assert (kv_ours.float() - kv_theirs.float()).abs().max().item() < tolerance * 10
 
@@ -276,17 +284,9 @@ def test_rope_store_writes_the_layout_attention_reads(
     # V that rope_store writes, read back as rows, are TorchOps'. (Attention reading that
     # layout: test_paged_attention_matches_a_plain_softmax, over a converted cache.)
     torch.manual_seed(head_dim)
-    ours, theirs = NativeOps(kernels), TorchOps()
-    heads, kv_heads, num_tokens, dtype = 6, 2, 11, torch.bfloat16
-    positions = torch.tensor([0, 5, 17, 300, 1, 2, 3, 4, 1000, 7, 8])
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    slots = torch.randperm(48)[:num_tokens]
-    kv_ours = torch.zeros(2, 48, kv_heads, head_dim, dtype=dtype)
-    kv_theirs = kv_ours.clone()
-    q1 = ours.rope_store(qkv, *ours.rope_tables(positions, inv_freq, dtype), slots, kv_ours, heads)
-    q2 = theirs.rope_store(
-        qkv, *theirs.rope_tables(positions, inv_freq, dtype), slots, kv_theirs, heads
+    dtype = torch.bfloat16
+    (q1, kv_ours), (q2, kv_theirs) = rope_store_both(
+        NativeOps(kernels), TorchOps(), dtype, head_dim, num_slots=48
     )
     assert torch.equal(q1, q2)  # the same roundings (test_small_ops_match_torch: head_dim 16)
     assert torch.equal(kernels.from_cache_layout(kv_ours), kv_theirs)
