@@ -567,10 +567,11 @@ static inline int avx512_attention(int D) {
  * head's keys as [D / 2][16][2] (dimension pair, slot, element) and its values as [8][D][2]
  * (slot pair, dimension, element), not as 16 rows of D. vdpbf16ps then scores a query against
  * the page's 16 keys with no sum across lanes (a transposing add tree cost 45 ops a head and
- * page), and multiplies the page's 16 probabilities, rounded to bf16 pairs, into V (widening
- * every V row to fp32 for FMAs cost more than the FMAs). A stage's cache is written only by
- * ppr_rope_store and read only by ppr_paged_attention, which both follow this; native.py
- * converts a cache built by hand (tests). */
+ * page), and multiplies the page's 16 probabilities, rounded to bf16 pairs, into V (each V row
+ * had been widened to fp32 for 64 FMAs a head and page). One layer, 32 decodes of context 512
+ * on a Zen 4 EPYC: 1.20 -> 0.95 ms on one thread, 0.62 -> 0.52 on two. A stage's cache is
+ * written only by ppr_rope_store and read only by ppr_paged_attention, which both follow this;
+ * native.py converts a cache built by hand (tests). */
 static inline int kv_as_pairs(int elem_bytes, int D) {
 #ifdef HAVE_BF16_DOT
     return elem_bytes == 2 && avx512_attention(D);

@@ -2,9 +2,9 @@
 
 A decoder layer's work besides its matmuls and attention is: add + RMSNorm (twice), RoPE on q
 and k with K and V stored in the paged cache, and SiLU(gate) * up; a sampling stage's greedy
-rows add an argmax over the vocabulary. In torch that is about twenty
-ops a layer, each a Python dispatch and a pass over memory; on a 2-core CPU at batch 32 they cost
-as much as a third of the matmuls (RMSNorm alone, decomposed into pow/mean/rsqrt/mul, 8 ms a
+rows add an argmax over the vocabulary. In torch that is about twenty ops a layer, each a
+Python dispatch and a pass over memory; on a 2-core CPU at batch 32 they cost as much as a
+third of the matmuls (RMSNorm alone, decomposed into pow/mean/rsqrt/mul, 8 ms a
 step). `NativeOps` does each in one call of `cpu_kernels.c`; `TorchOps` is the same arithmetic in
 torch, for a GPU (where issue-13's graphs take over) or a CPU without a C compiler.
 """
