@@ -1773,7 +1773,7 @@ static int64_t row_argmax_scalar(const void *x, int64_t base, int V, int elem_by
     return best;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline __m512 row_load16(const void *x, int64_t i, int elem_bytes, __mmask16 keep) {
     if (elem_bytes == 4) return _mm512_maskz_loadu_ps(keep, (const float *)x + i);
     const __m256i b = _mm256_maskz_loadu_epi16(keep, (const uint16_t *)x + i);
@@ -1804,7 +1804,7 @@ static int64_t row_argmax_avx512(const void *x, int64_t base, int V, int elem_by
 void ppr_row_argmax(int elem_bytes, const void *x, int64_t stride, int64_t *out, int N, int V) {
 #pragma omp parallel for schedule(static) if (N > 1)
     for (int n = 0; n < N; n++) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
         out[n] = row_argmax_avx512(x, (int64_t)n * stride, V, elem_bytes);
 #else
         out[n] = row_argmax_scalar(x, (int64_t)n * stride, V, elem_bytes);
