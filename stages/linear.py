@@ -86,15 +86,27 @@ class CpuBf16Linear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] (a tied lm_head serves the embedding lookup)."""
-        rows = self.panels[ids // PANEL, :, ids % PANEL]  # [T, ceil(K/2), 2]
-        pairs = self.panels.shape[1]
-        return rows.reshape(ids.shape[0], 2 * pairs)[:, : self.in_features].contiguous()
+        return _bf16_rows(self.panels, ids // PANEL, ids % PANEL, self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [N, K] back from its panels (for tools that compare with F.linear)."""
-        n_panels, pairs = self.panels.shape[:2]
-        weight = self.panels.permute(0, 2, 1, 3).reshape(n_panels * PANEL, pairs * 2)
-        return weight[: self.out_features, : self.in_features].contiguous()
+        return _from_bf16_panels(self.panels, self.out_features, self.in_features)
+
+
+def _bf16_rows(
+    panels: torch.Tensor, panel: torch.Tensor, lane: torch.Tensor, in_features: int
+) -> torch.Tensor:
+    """Channel `lane` [T] of panels[panel] [T] from bf16 panels [P, ceil(K / 2), 16, 2]
+    (pack_bf16's layout): the weight's rows [T, K]."""
+    rows = panels[panel, :, lane]  # [T, ceil(K/2), 2]
+    return rows.reshape(panel.shape[0], 2 * panels.shape[1])[:, :in_features].contiguous()
+
+
+def _from_bf16_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """bf16 panels [P, ceil(K / 2), 16, 2] (pack_bf16's layout) -> the weight [N, K]."""
+    n_panels, pairs = panels.shape[:2]
+    weight = panels.permute(0, 2, 1, 3).reshape(n_panels * PANEL, pairs * 2)
+    return weight[:out_features, :in_features].contiguous()
 
 
 class CpuLinear(nn.Module):
@@ -192,14 +204,12 @@ class GridBf16Linear(_HeldAsCodes):
             out_features=ids.shape[0] * PANEL,
         )
         panels = self.kernels.unpack_grid_bf16(picked)  # [T, K / 2, 16, 2]
-        rows = panels[torch.arange(ids.shape[0]), :, ids % PANEL]  # [T, K / 2, 2]
-        return rows.reshape(ids.shape[0], self.in_features)
+        return _bf16_rows(panels, torch.arange(ids.shape[0]), ids % PANEL, self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] back from its codes (for tools that compare with F.linear)."""
         panels = self.kernels.unpack_grid_bf16(self.grid)  # [P, K / 2, 16, 2]
-        weight = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, self.in_features)
-        return weight[: self.out_features].contiguous()
+        return _from_bf16_panels(panels, self.out_features, self.in_features)
 
 
 def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Linear | None:

@@ -166,33 +166,33 @@ class NativeKernels:
     def to_cache_layout(self, kv_layer: torch.Tensor) -> torch.Tensor:
         """A copy of kv_layer [2, slots, h_kv, d] (rows: torch's layout) in this build's: where
         kv_as_pairs, each page's keys as [h_kv, d / 2, 16, 2] and values as [h_kv, 8, d, 2]."""
-        _, num_slots, num_kv_heads, head_dim = kv_layer.shape
-        if not self.kv_as_pairs(kv_layer.dtype, head_dim):
-            return kv_layer.clone()
-        pages = num_slots // BLOCK_SIZE
-        k = kv_layer[0].reshape(pages, BLOCK_SIZE, num_kv_heads, head_dim // 2, 2)
-        v = kv_layer[1].reshape(pages, BLOCK_SIZE // 2, 2, num_kv_heads, head_dim)
-        return torch.stack(
-            (
-                k.permute(0, 2, 3, 1, 4).reshape(num_slots, num_kv_heads, head_dim),
-                v.permute(0, 3, 1, 4, 2).reshape(num_slots, num_kv_heads, head_dim),
-            )
-        )
+        return self._relayout(kv_layer, to_pairs=True)
 
     def from_cache_layout(self, kv_layer: torch.Tensor) -> torch.Tensor:
         """The inverse of to_cache_layout: a copy in rows."""
+        return self._relayout(kv_layer, to_pairs=False)
+
+    def _relayout(self, kv_layer: torch.Tensor, to_pairs: bool) -> torch.Tensor:
         _, num_slots, num_kv_heads, head_dim = kv_layer.shape
         if not self.kv_as_pairs(kv_layer.dtype, head_dim):
             return kv_layer.clone()
-        pages = num_slots // BLOCK_SIZE
-        k = kv_layer[0].reshape(pages, num_kv_heads, head_dim // 2, BLOCK_SIZE, 2)
-        v = kv_layer[1].reshape(pages, num_kv_heads, BLOCK_SIZE // 2, head_dim, 2)
-        return torch.stack(
-            (
-                k.permute(0, 3, 1, 2, 4).reshape(num_slots, num_kv_heads, head_dim),
-                v.permute(0, 2, 4, 1, 3).reshape(num_slots, num_kv_heads, head_dim),
-            )
+        pages, h, d = num_slots // BLOCK_SIZE, num_kv_heads, head_dim
+        # Per half of the cache: a page in rows, as (slot, head, pair, element) for K and
+        # (slot pair, element, head, dimension) for V, and the permutation to its pairs.
+        views = (
+            ((pages, BLOCK_SIZE, h, d // 2, 2), (0, 2, 3, 1, 4)),
+            ((pages, BLOCK_SIZE // 2, 2, h, d), (0, 3, 1, 4, 2)),
         )
+        halves = []
+        for half, (rows_shape, to_pair) in zip(kv_layer, views, strict=True):
+            if to_pairs:
+                moved = half.reshape(rows_shape).permute(to_pair)
+            else:
+                pairs_shape = tuple(rows_shape[i] for i in to_pair)
+                back = tuple(sorted(range(5), key=to_pair.__getitem__))  # the inverse
+                moved = half.reshape(pairs_shape).permute(back)
+            halves.append(moved.reshape(num_slots, h, d))
+        return torch.stack(halves)
 
     def pack_f32(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] fp32 -> panels [ceil(N / 16), K, 16]: panels[p, k, j] = weight[16p + j, k],
