@@ -484,8 +484,8 @@ static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t
                                      int D, int nq, float scale, float *m, float *l, float *acc,
                                      const PagePrefetch *pf, int *call, int num_calls) {
     const __mmask16 valid = lim >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim) - 1);
-    float p[4][PAGE];
-    uint16_t pb[4][PAGE]; /* (pairs) p rounded to bf16 */
+    float p[4][PAGE];     /* the page's probabilities, per head */
+    uint16_t pb[4][PAGE]; /* the same rounded to bf16, where pairs */
     for (int h0 = 0; h0 < nq; h0 += 4) {
         const int nh = nq - h0 < 4 ? nq - h0 : 4;
         __m512 scores[4];
@@ -523,11 +523,13 @@ static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t
             const __m512 pv = _mm512_maskz_mov_ps(
                 valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
             l[r] += _mm512_reduce_add_ps(pv);
-            _mm512_storeu_ps(p[h], pv);
 #ifdef HAVE_BF16_DOT
-            if (pairs)
+            if (pairs) {
                 _mm256_storeu_si256((__m256i *)pb[h], (__m256i)_mm512_cvtneps_pbh(pv));
+                continue;
+            }
 #endif
+            _mm512_storeu_ps(p[h], pv);
         }
         float *a = acc + h0 * D;
 #ifdef HAVE_BF16_DOT
