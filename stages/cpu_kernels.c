@@ -2203,3 +2203,89 @@ int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint
     return -1;
 #endif
 }
+
+/* ---- A whole decoder layer in one call ----------------------------------------------------
+ * The same kernels, in the same order, on the same buffers as stages/llama.py's DecoderLayer
+ * calls them one by one from Python, so the results are bit for bit the same; what goes is
+ * the Python around nine kernel calls a layer (module calls, torch.empty, checks, ctypes:
+ * ~70 us a layer, most of a single stream's step after its matmuls). stages/fused_layer.py
+ * fills these structs once at load and calls ppr_decoder_layer once per layer per step. */
+
+enum { PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5 };
+
+/* One weight matrix [N, K] as its module holds it. f32, bf16: a = panels; grid: a = codes,
+ * b = scale, c = offset (NULL for Q8_0); int8: a = the weight, b = its fp32 scales. */
+typedef struct {
+    int32_t kind, n, k, bits;
+    const void *a, *b, *c;
+} ppr_linear_t;
+
+/* What a layer holds: its four matrices, two norm weights [d] and its shape. */
+typedef struct {
+    ppr_linear_t qkv, o, gate_up, down;
+    const void *input_norm, *post_attn_norm;
+    float eps;
+    int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
+} ppr_layer_t;
+
+/* What one forward shares across its layers: T rows, the rotary tables, the slots this step
+ * writes, the paged-attention metadata, and the scratch every layer reuses (each row-major,
+ * in the stage dtype): x [T, d], qkv [T, (H + 2 Hkv) D], q and attn [T, H, D], h [T, d],
+ * gate_up [T, 2 I], act [T, I]. */
+typedef struct {
+    int32_t elem_bytes, num_tokens, num_seqs, table_stride;
+    int64_t num_slots;
+    const float *cos, *sin;
+    const int64_t *slot_mapping;
+    const int32_t *q_start, *q_len, *ctx_len, *block_table;
+    float scale;
+    void *x, *qkv, *q, *attn, *h, *gate_up, *act;
+} ppr_step_t;
+
+static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void *y, int M) {
+    switch (w->kind) {
+    case PPR_F32:
+        if (elem_bytes != 4) return -1;
+        ppr_linear_f32(x, w->a, y, M, w->n, w->k);
+        return 0;
+    case PPR_GRID_F32:
+        return elem_bytes == 4 ? ppr_linear_grid(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits)
+                               : -1;
+    case PPR_BF16:
+        return elem_bytes == 2 ? ppr_linear_bf16(x, w->a, y, M, w->n, w->k) : -1;
+    case PPR_GRID_BF16:
+        return elem_bytes == 2
+                   ? ppr_linear_grid_bf16(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits)
+                   : -1;
+    case PPR_INT8:
+        ppr_linear_int8(elem_bytes, x, w->a, w->b, y, M, w->n, w->k);
+        return 0;
+    }
+    return -1;
+}
+
+/* h_in [T, d] (read only: it may be a received frame), residual_in [T, d] or NULL (the first
+ * layer of the first stage), kv [2, slots, Hkv, D] this layer's cache. Writes residual_out
+ * [T, d] (it may be residual_in itself) and h_out [T, d] (it may be h_in). Returns 0, or -1
+ * when a kernel refused (a kind this build lacks, or no memory for a buffer). */
+int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_in,
+                      const void *residual_in, void *residual_out, void *kv, void *h_out) {
+    const int T = s->num_tokens, eb = s->elem_bytes, D = L->head_dim;
+    const int64_t qkv_row = (int64_t)(L->num_heads + 2 * L->num_kv_heads) * D;
+    ppr_add_rms_norm(eb, h_in, residual_in, L->input_norm, residual_out, s->x, T, L->hidden,
+                     L->eps);
+    if (run_linear(&L->qkv, eb, s->x, s->qkv, T)) return -1;
+    ppr_rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->slot_mapping, kv, s->num_slots,
+                   T, L->num_heads, L->num_kv_heads, D);
+    if (ppr_paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
+                            s->block_table, s->table_stride, s->num_slots, L->num_heads,
+                            L->num_kv_heads, D, s->scale))
+        return -1;
+    if (run_linear(&L->o, eb, s->attn, s->h, T)) return -1;
+    ppr_add_rms_norm(eb, s->h, residual_out, L->post_attn_norm, residual_out, s->x, T, L->hidden,
+                     L->eps);
+    if (run_linear(&L->gate_up, eb, s->x, s->gate_up, T)) return -1;
+    ppr_silu_mul(eb, s->gate_up, (const char *)s->gate_up + (int64_t)L->intermediate * eb,
+                 2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
+    return run_linear(&L->down, eb, s->act, h_out, T);
+}

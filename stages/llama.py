@@ -20,6 +20,7 @@ from torch import nn
 
 from stages.attention import paged_attention
 from stages.config import ModelConfig, RopeScaling
+from stages.fused_layer import FusedLayers
 from stages.inputs import ForwardInputs, on_device
 from stages.kv_cache import KVCache
 from stages.linear import make_linear
@@ -158,6 +159,9 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, weights, f"model.layers.{i}.", kind) for i in range(start, end)
         )
+        # On the CPU kernels, each layer in one C call (stages/fused_layer.py); None: one
+        # Python call per kernel, as DecoderLayer.forward.
+        self.fused = FusedLayers.build(list(self.layers), kind.kernels, self.dtype)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)  # [d/2]
         # First stage embeds the token ids; later stages start from what the previous sent.
@@ -197,6 +201,8 @@ class LlamaStage(nn.Module):
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
         cos, sin = self.ops.rope_tables(inputs.positions, self.inv_freq, self.dtype)  # all layers
+        if self.fused is not None and inputs.paged is not None:
+            return self.fused.forward(h, residual, cos, sin, kv, inputs)
         for layer_index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv, layer_index, inputs)
         assert residual is not None  # every stage has at least one layer

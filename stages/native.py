@@ -106,6 +106,8 @@ class NativeKernels:
         ] * 2
         lib.ppr_kv_as_pairs.restype = ctypes.c_int
         lib.ppr_kv_as_pairs.argtypes = [ctypes.c_int] * 2
+        lib.ppr_decoder_layer.restype = ctypes.c_int
+        lib.ppr_decoder_layer.argtypes = [_vp] * 7
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -469,6 +471,18 @@ class NativeKernels:
             width // 2,
         )
         return out
+
+    def decoder_layer(
+        self, layer: int, step: int, h_in: int, residual_in: int | None, residual_out: int,
+        kv_layer: int, h_out: int,
+    ) -> None:  # fmt: skip
+        """One decoder layer, every kernel of it in one call, over raw addresses: the structs
+        `layer` and `step` and the buffers stages/fused_layer.py lays out (it checks them)."""
+        status = self._lib.ppr_decoder_layer(
+            layer, step, h_in, residual_in, residual_out, kv_layer, h_out
+        )
+        if status != 0:
+            raise RuntimeError("a kernel of the fused decoder layer failed (see cpu_kernels.c)")
 
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] fp32 or bf16 (rows may be strided) -> [N] int64: each row's first maximal

@@ -1,0 +1,226 @@
+"""A stage's decoder layers as one kernel call each (cpu_kernels.c `ppr_decoder_layer`).
+
+A layer is nine kernel calls (two norms, four matmuls, RoPE and the cache store, attention,
+SiLU): called one by one from Python, each pays for a module call, torch.empty, checks and a
+ctypes call, ~70 us a layer on the 2-core EPYC, which at one row is as much time as a third of
+the layer's matmuls. Here the weights' pointers and shapes are put into C structs once, at
+load; a forward allocates its scratch once for all layers and makes one ctypes call per layer.
+The C side runs the same kernels in the same order on the same values, so the output is bit
+for bit what DecoderLayer.forward computes (tests/stages/test_fused_layer.py holds it to that).
+
+Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
+the kernels' layouts (not DenseLinear). `PPRING_FUSED_LAYERS=0` turns it off (to compare).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from stages.linear import CpuBf16Linear, CpuLinear, GridBf16Linear, GridLinear, Int8Linear
+from stages.native import NativeKernels
+
+if TYPE_CHECKING:
+    from stages.inputs import ForwardInputs
+    from stages.kv_cache import KVCache
+    from stages.llama import DecoderLayer
+
+DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel
+
+# cpu_kernels.c's enum of matrix kinds
+_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8 = 1, 2, 3, 4, 5
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("c", ctypes.c_void_p),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("input_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("hidden", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("elem_bytes", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int32),
+        ("num_seqs", ctypes.c_int32),
+        ("table_stride", ctypes.c_int32),
+        ("num_slots", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("q_start", ctypes.c_void_p),
+        ("q_len", ctypes.c_void_p),
+        ("ctx_len", ctypes.c_void_p),
+        ("block_table", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        ("x", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+        ("q", ctypes.c_void_p),
+        ("attn", ctypes.c_void_p),
+        ("h", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("act", ctypes.c_void_p),
+    ]
+
+
+def enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
+    """The struct for one matrix module, or None if the kernels cannot run it in `dtype`."""
+    fp32 = dtype == torch.float32
+    if isinstance(proj, Int8Linear):
+        n, k = proj.qweight.shape
+        return _Linear(_INT8, n, k, 0, proj.qweight.data_ptr(), proj.scale.data_ptr(), None)
+    if not isinstance(proj, (CpuLinear, CpuBf16Linear, GridLinear, GridBf16Linear)):
+        return None
+    n, k = proj.out_features, proj.in_features
+    if isinstance(proj, CpuLinear) and fp32:
+        return _Linear(_F32, n, k, 0, proj.panels.data_ptr(), None, None)
+    if isinstance(proj, CpuBf16Linear) and not fp32:
+        return _Linear(_BF16, n, k, 0, proj.panels.data_ptr(), None, None)
+    if isinstance(proj, (GridLinear, GridBf16Linear)) and fp32 == isinstance(proj, GridLinear):
+        grid = proj.grid
+        offset = None if grid.offset is None else grid.offset.data_ptr()
+        kind = _GRID_F32 if fp32 else _GRID_BF16
+        return _Linear(kind, n, k, grid.bits, grid.codes.data_ptr(), grid.scale.data_ptr(), offset)
+    return None
+
+
+class FusedLayers:
+    """Layers [start, end) of one stage, each run by one call of ppr_decoder_layer. Holds raw
+    pointers into the layers' weights: the stage module owns them and outlives this."""
+
+    def __init__(
+        self, layers: list[DecoderLayer], kernels: NativeKernels, dtype: torch.dtype
+    ) -> None:
+        self._call = kernels.decoder_layer
+        self.dtype = dtype
+        first = layers[0]
+        self.hidden = first.input_norm.shape[0]
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.head_dim = first.head_dim
+        self.intermediate = first.down_proj.in_features
+        self._layers = [self._layer(layer) for layer in layers]  # kept alive: C reads them
+        self._layer_at = [ctypes.addressof(layer) for layer in self._layers]
+
+    @classmethod
+    def build(
+        cls, layers: list[DecoderLayer], kernels: NativeKernels | None, dtype: torch.dtype
+    ) -> FusedLayers | None:
+        """FusedLayers where every layer can run as one call, else None (the Python path)."""
+        if not enabled() or kernels is None or not layers or dtype not in _ELEM_BYTES:
+            return None
+        projections = [
+            proj
+            for layer in layers
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        if any(_linear(proj, dtype) is None for proj in projections):
+            return None
+        return cls(layers, kernels, dtype)
+
+    def _layer(self, layer: DecoderLayer) -> _Layer:
+        specs = [
+            _linear(proj, self.dtype)
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        return _Layer(
+            *specs,
+            layer.input_norm.data_ptr(),
+            layer.post_attn_norm.data_ptr(),
+            layer.eps,
+            self.hidden,
+            self.intermediate,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: KVCache,
+        inputs: ForwardInputs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, d] (read only), residual [T, d] or None -> (h, residual) after every layer.
+        cos, sin [T, head_dim] fp32 (ops.rope_tables); inputs.paged is set (CPU attention)."""
+        paged = inputs.paged
+        assert paged is not None and h.dtype == self.dtype
+        h = h.contiguous()  # a received frame's tensor may be a view; the kernels read rows
+        residual = None if residual is None else residual.contiguous()
+        num_tokens, d = h.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+
+        def scratch(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=self.dtype)
+
+        # Every layer's temporaries, shared: each is consumed within the layer that wrote it.
+        buffers = {
+            "x": scratch(num_tokens, d),
+            "qkv": scratch(num_tokens, (heads + 2 * kv_heads) * head_dim),
+            "q": scratch(num_tokens, heads, head_dim),
+            "attn": scratch(num_tokens, heads, head_dim),
+            "h": scratch(num_tokens, d),
+            "gate_up": scratch(num_tokens, 2 * self.intermediate),
+            "act": scratch(num_tokens, self.intermediate),
+        }
+        out, residual_out = scratch(num_tokens, d), scratch(num_tokens, d)
+        step = _Step(
+            _ELEM_BYTES[self.dtype],
+            num_tokens,
+            paged.q_start.shape[0],
+            paged.block_table.shape[1],
+            kv.num_slots,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            inputs.slot_mapping.data_ptr(),
+            paged.q_start.data_ptr(),
+            paged.q_len.data_ptr(),
+            paged.ctx_len.data_ptr(),
+            paged.block_table.data_ptr(),
+            head_dim**-0.5,
+            *(t.data_ptr() for t in buffers.values()),
+        )
+        step_at = ctypes.addressof(step)
+        kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
+        h_in = h.data_ptr()
+        res_in = None if residual is None else residual.data_ptr()
+        res_out, h_out = residual_out.data_ptr(), out.data_ptr()
+        for index, layer_at in enumerate(self._layer_at):
+            self._call(layer_at, step_at, h_in, res_in, res_out, kv_base + index * kv_stride, h_out)
+            h_in, res_in = h_out, res_out  # later layers work in place
+        return out, residual_out
+
+
+_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}

@@ -1,0 +1,102 @@
+"""A decoder layer as one kernel call (stages/fused_layer.py) computes bit for bit what the
+layer's nine kernel calls from Python compute: for every kind of matrix the kernels hold (fp32
+and bf16 panels, both on a GGUF grid, int8), for prefill chunks mixed with decodes, and on a
+later stage, whose first layer reads a received frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from stages import fused_layer, native
+from stages.linear import GridBf16Linear, GridLinear, Int8Linear
+from tests.stages.conftest import Chain, drive_teacher_forced
+from tests.stages.test_grid import q4_1_weight, q8_0_weight
+from tests.tiny_llama import make_tiny_llama
+
+SEQS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((23, 9, 30))]
+PROMPT_LENS = [12, 4, 17]
+
+
+@pytest.fixture(scope="module")
+def grid_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama whose matrices lie on GGUF grids (q, k, v, gate, up Q4_1; o, down Q8_0), with
+    head_dim 64, so a bf16 stage holds its cache as pairs, and one KV head (MQA)."""
+    folder = make_tiny_llama(
+        tmp_path_factory.mktemp("grid") / "m", hidden=128, heads=2, kv_heads=1, seed=7
+    )
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for i, (name, weight) in enumerate(sorted(tensors.items())):
+        if name.endswith("_proj.weight"):
+            make = q8_0_weight if name.split(".")[-2] in ("o_proj", "down_proj") else q4_1_weight
+            tensors[name] = make(*weight.shape, seed=i) * 4  # a scale that keeps text varied
+    save_file(tensors, path, metadata={"format": "pt"})
+    return folder
+
+
+def logits(
+    folder: Path, partition: list[int], dtype: str, quantization: str, fused: bool
+) -> list[torch.Tensor]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused_layer.DISABLE_ENV, "1" if fused else "0")
+        chain = Chain(folder, partition, dtype=dtype, quantization=quantization)
+    assert all((stage.model.fused is not None) == fused for stage in chain.stages)
+    return drive_teacher_forced(chain, SEQS, PROMPT_LENS, chunk_size=5, stagger=2)
+
+
+def needs_bf16_dot(dtype: str) -> None:
+    built = native.kernels()
+    assert built is not None, native.unavailable_reason()
+    if dtype == "bfloat16" and not built.bf16_dot:
+        pytest.skip("a bf16 stage multiplies with the kernels only on AVX512_BF16")
+
+
+@pytest.mark.parametrize("partition", [[4], [1, 3]])
+@pytest.mark.parametrize(("dtype", "quantization"), [
+    ("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
+])  # fmt: skip
+def test_one_call_a_layer_computes_what_the_layer_calls_compute(
+    tiny_dirs: dict[str, Path],
+    grid_dir: Path,
+    partition: list[int],
+    dtype: str,
+    quantization: str,
+) -> None:
+    needs_bf16_dot(dtype)
+    for folder in (tiny_dirs["gqa"], grid_dir):
+        fused = logits(folder, partition, dtype, quantization, fused=True)
+        layered = logits(folder, partition, dtype, quantization, fused=False)
+        for got, expected in zip(fused, layered, strict=True):
+            assert torch.equal(got, expected)
+            assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize(("dtype", "kind"), [("float32", GridLinear), ("bfloat16", GridBf16Linear)])
+def test_the_grid_model_is_held_as_codes(grid_dir: Path, dtype: str, kind: type) -> None:
+    # what the test above relies on to cover the grid kernels
+    needs_bf16_dot(dtype)
+    chain = Chain(grid_dir, [4], dtype=dtype)
+    layer = chain.stages[0].model.layers[0]
+    assert all(
+        isinstance(proj, kind)
+        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    )
+
+
+def test_a_stage_on_torch_ops_or_with_a_dense_matrix_keeps_the_layer_calls(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chain = Chain(tiny_dirs["gqa"], [4], quantization="int8")
+    model = chain.stages[0].model
+    assert model.fused is not None and isinstance(model.layers[0].qkv_proj, Int8Linear)
+    built = native.kernels()
+    assert built is not None
+    # a matrix the kernels do not hold (F.linear): no struct can describe it
+    layers = list(model.layers)
+    monkeypatch.setattr(layers[2], "o_proj", torch.nn.Linear(64, 64, bias=False))
+    assert fused_layer.FusedLayers.build(layers, built, torch.float32) is None
+    assert fused_layer.FusedLayers.build(layers[:2], None, torch.float32) is None
