@@ -100,8 +100,9 @@ def matmul_modules(runner: Any) -> list[Any]:
 
 
 def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | None]:
-    """Median seconds of one pass over every matmul of a decode step at `batch` rows: through
-    the stage's own modules, and through F.linear on the same (unquantized) weights."""
+    """Median seconds of one pass over every matmul of a decode step at `batch` rows: as the
+    stage runs them (its layers' in one C call each where it fuses them, its modules
+    otherwise), and through F.linear on the same (unquantized) weights."""
     import torch
     import torch.nn.functional as F
 
@@ -126,7 +127,15 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    own = median(lambda: [m(inputs[m.in_features]) for m in modules])
+    fused = getattr(runner.model, "fused", None)
+    if fused is not None:
+        # The layers' matmuls as the step runs them, one C call a layer (stages/fused_layer.py);
+        # the lm_head, which the step calls as a module, as a module.
+        layer_matmuls = fused.matmuls(batch)
+        head = [runner.model.lm_head] if runner.model.is_last_stage else []
+        own = median(lambda: (layer_matmuls(), [m(inputs[m.in_features]) for m in head]))
+    else:
+        own = median(lambda: [m(inputs[m.in_features]) for m in modules])
     dense = None
     if all(w is not None for w in weights):
         dense = median(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])

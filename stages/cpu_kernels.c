@@ -2289,3 +2289,14 @@ int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_i
                  2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
     return run_linear(&L->down, eb, s->act, h_out, T);
 }
+
+/* The layer's four matmuls alone, as ppr_decoder_layer runs them, at M rows: what `ppring bench
+ * step` times as the compute floor of a step (x_hidden [M, d], x_attn [M, H D], x_act [M, I],
+ * y at least [M, max N]; their values do not matter). */
+int ppr_layer_matmuls(const ppr_layer_t *L, int elem_bytes, int M, const void *x_hidden,
+                      const void *x_attn, const void *x_act, void *y) {
+    return run_linear(&L->qkv, elem_bytes, x_hidden, y, M) ||
+           run_linear(&L->o, elem_bytes, x_attn, y, M) ||
+           run_linear(&L->gate_up, elem_bytes, x_hidden, y, M) ||
+           run_linear(&L->down, elem_bytes, x_act, y, M);
+}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,6 +123,7 @@ class FusedLayers:
         self, layers: list[DecoderLayer], kernels: NativeKernels, dtype: torch.dtype
     ) -> None:
         self._call = kernels.decoder_layer
+        self._matmuls = kernels.layer_matmuls
         self.dtype = dtype
         first = layers[0]
         self.hidden = first.input_norm.shape[0]
@@ -221,6 +223,29 @@ class FusedLayers:
             self._call(layer_at, step_at, h_in, res_in, res_out, kv_base + index * kv_stride, h_out)
             h_in, res_in = h_out, res_out  # later layers work in place
         return out, residual_out
+
+    def matmuls(self, rows: int) -> Callable[[], None]:
+        """A call that runs every layer's four matmuls alone at `rows` rows, as forward runs
+        them: what a step's compute floor counts (bench/step.py). Its inputs are random, made
+        here once; its outputs are dropped."""
+        heads = self.num_heads * self.head_dim
+        x_hidden, x_attn, x_act = (
+            torch.randn(rows, n).to(self.dtype) for n in (self.hidden, heads, self.intermediate)
+        )
+        widest = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        y = torch.empty(rows, max(widest, 2 * self.intermediate, self.hidden), dtype=self.dtype)
+        args = (
+            _ELEM_BYTES[self.dtype], rows, x_hidden.data_ptr(), x_attn.data_ptr(),
+            x_act.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+
+        alive = (x_hidden, x_attn, x_act, y)  # the kernels read raw pointers into these
+
+        def run(_: tuple[torch.Tensor, ...] = alive) -> None:
+            for layer_at in self._layer_at:
+                self._matmuls(layer_at, *args)
+
+        return run
 
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}

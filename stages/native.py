@@ -108,6 +108,8 @@ class NativeKernels:
         lib.ppr_kv_as_pairs.argtypes = [ctypes.c_int] * 2
         lib.ppr_decoder_layer.restype = ctypes.c_int
         lib.ppr_decoder_layer.argtypes = [_vp] * 7
+        lib.ppr_layer_matmuls.restype = ctypes.c_int
+        lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -483,6 +485,14 @@ class NativeKernels:
         )
         if status != 0:
             raise RuntimeError("a kernel of the fused decoder layer failed (see cpu_kernels.c)")
+
+    def layer_matmuls(
+        self, layer: int, elem_bytes: int, rows: int, x_hidden: int, x_attn: int, x_act: int,
+        y: int,
+    ) -> None:  # fmt: skip
+        """The four matmuls of the layer struct at `layer`, alone (stages/fused_layer.py)."""
+        if self._lib.ppr_layer_matmuls(layer, elem_bytes, rows, x_hidden, x_attn, x_act, y):
+            raise RuntimeError("a matmul of the fused decoder layer failed (see cpu_kernels.c)")
 
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] fp32 or bf16 (rows may be strided) -> [N] int64: each row's first maximal

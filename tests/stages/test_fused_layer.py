@@ -100,3 +100,15 @@ def test_a_stage_on_torch_ops_or_with_a_dense_matrix_keeps_the_layer_calls(
     monkeypatch.setattr(layers[2], "o_proj", torch.nn.Linear(64, 64, bias=False))
     assert fused_layer.FusedLayers.build(layers, built, torch.float32) is None
     assert fused_layer.FusedLayers.build(layers[:2], None, torch.float32) is None
+
+
+def test_the_matmuls_alone_run_and_a_kind_of_the_wrong_dtype_is_refused(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    # bench step times a stage's matmuls through FusedLayers.matmuls
+    fused = Chain(tiny_dirs["gqa"], [4]).stages[0].model.fused
+    assert fused is not None
+    fused.matmuls(3)()
+    fused.dtype = torch.bfloat16  # fp32 panels called with bf16 rows: the C dispatch refuses
+    with pytest.raises(RuntimeError, match="fused decoder layer failed"):
+        fused.matmuls(3)()
