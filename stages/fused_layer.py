@@ -179,6 +179,10 @@ class FusedLayers:
         cos, sin [T, head_dim] fp32 (ops.rope_tables); inputs.paged is set (CPU attention)."""
         paged = inputs.paged
         assert paged is not None and h.dtype == self.dtype
+        # what the kernels read as raw memory (stages/inputs.py builds them so; checked once
+        # a forward, as the layer-by-layer path checks them once a call)
+        assert paged.block_table.dtype == torch.int32 and paged.block_table.is_contiguous()
+        assert inputs.slot_mapping.dtype == torch.int64 and cos.dtype == torch.float32
         h = h.contiguous()  # a received frame's tensor may be a view; the kernels read rows
         residual = None if residual is None else residual.contiguous()
         num_tokens, d = h.shape
