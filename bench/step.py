@@ -127,12 +127,12 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
                 times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    fused = getattr(runner.model, "fused", None)
+    fused = runner.model.fused
     if fused is not None:
         # The layers' matmuls as the step runs them, one C call a layer (stages/fused_layer.py);
-        # the lm_head, which the step calls as a module, as a module.
+        # what follows the layers' four each in `modules` (the lm_head), as modules.
         layer_matmuls = fused.matmuls(batch)
-        head = [runner.model.lm_head] if runner.model.is_last_stage else []
+        head = modules[4 * len(runner.model.layers) :]
         own = median(lambda: (layer_matmuls(), [m(inputs[m.in_features]) for m in head]))
     else:
         own = median(lambda: [m(inputs[m.in_features]) for m in modules])

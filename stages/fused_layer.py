@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from stages.linear import CpuBf16Linear, CpuLinear, GridBf16Linear, GridLinear, Int8Linear
-from stages.native import NativeKernels
+from stages.native import _ELEM_BYTES, NativeKernels, _grid_pointers
 
 if TYPE_CHECKING:
     from stages.inputs import ForwardInputs
@@ -94,25 +94,31 @@ def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
+# (module class, stage dtype) -> cpu_kernels.c's kind; int8 runs in either dtype
+_KINDS = {
+    (CpuLinear, torch.float32): _F32,
+    (GridLinear, torch.float32): _GRID_F32,
+    (CpuBf16Linear, torch.bfloat16): _BF16,
+    (GridBf16Linear, torch.bfloat16): _GRID_BF16,
+}
+
+
+def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
+
+
 def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
     """The struct for one matrix module, or None if the kernels cannot run it in `dtype`."""
-    fp32 = dtype == torch.float32
     if isinstance(proj, Int8Linear):
         n, k = proj.qweight.shape
         return _Linear(_INT8, n, k, 0, proj.qweight.data_ptr(), proj.scale.data_ptr(), None)
-    if not isinstance(proj, (CpuLinear, CpuBf16Linear, GridLinear, GridBf16Linear)):
+    kind = _KINDS.get((type(proj), dtype))
+    if kind is None:
         return None
     n, k = proj.out_features, proj.in_features
-    if isinstance(proj, CpuLinear) and fp32:
-        return _Linear(_F32, n, k, 0, proj.panels.data_ptr(), None, None)
-    if isinstance(proj, CpuBf16Linear) and not fp32:
-        return _Linear(_BF16, n, k, 0, proj.panels.data_ptr(), None, None)
-    if isinstance(proj, (GridLinear, GridBf16Linear)) and fp32 == isinstance(proj, GridLinear):
-        grid = proj.grid
-        offset = None if grid.offset is None else grid.offset.data_ptr()
-        kind = _GRID_F32 if fp32 else _GRID_BF16
-        return _Linear(kind, n, k, grid.bits, grid.codes.data_ptr(), grid.scale.data_ptr(), offset)
-    return None
+    if kind in (_F32, _BF16):
+        return _Linear(kind, n, k, 0, proj.panels.data_ptr(), None, None)
+    return _Linear(kind, n, k, proj.grid.bits, *_grid_pointers(proj.grid))
 
 
 class FusedLayers:
@@ -120,8 +126,13 @@ class FusedLayers:
     pointers into the layers' weights: the stage module owns them and outlives this."""
 
     def __init__(
-        self, layers: list[DecoderLayer], kernels: NativeKernels, dtype: torch.dtype
+        self,
+        layers: list[DecoderLayer],
+        matrices: list[list[_Linear]],
+        kernels: NativeKernels,
+        dtype: torch.dtype,
     ) -> None:
+        """`matrices`: each layer's four structs (`_linear`), in `_projections`' order."""
         self._call = kernels.decoder_layer
         self._matmuls = kernels.layer_matmuls
         self.dtype = dtype
@@ -130,7 +141,20 @@ class FusedLayers:
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
         self.intermediate = first.down_proj.in_features
-        self._layers = [self._layer(layer) for layer in layers]  # kept alive: C reads them
+        self._layers = [  # kept alive: C reads them
+            _Layer(
+                *four,
+                layer.input_norm.data_ptr(),
+                layer.post_attn_norm.data_ptr(),
+                layer.eps,
+                self.hidden,
+                self.intermediate,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+            for layer, four in zip(layers, matrices, strict=True)
+        ]
         self._layer_at = [ctypes.addressof(layer) for layer in self._layers]
 
     @classmethod
@@ -140,31 +164,10 @@ class FusedLayers:
         """FusedLayers where every layer can run as one call, else None (the Python path)."""
         if not enabled() or kernels is None or not layers or dtype not in _ELEM_BYTES:
             return None
-        projections = [
-            proj
-            for layer in layers
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        ]
-        if any(_linear(proj, dtype) is None for proj in projections):
+        matrices = [[_linear(proj, dtype) for proj in _projections(layer)] for layer in layers]
+        if any(spec is None for four in matrices for spec in four):
             return None
-        return cls(layers, kernels, dtype)
-
-    def _layer(self, layer: DecoderLayer) -> _Layer:
-        specs = [
-            _linear(proj, self.dtype)
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        ]
-        return _Layer(
-            *specs,
-            layer.input_norm.data_ptr(),
-            layer.post_attn_norm.data_ptr(),
-            layer.eps,
-            self.hidden,
-            self.intermediate,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-        )
+        return cls(layers, matrices, kernels, dtype)
 
     def forward(
         self,
@@ -203,20 +206,20 @@ class FusedLayers:
         }
         out, residual_out = scratch(num_tokens, d), scratch(num_tokens, d)
         step = _Step(
-            _ELEM_BYTES[self.dtype],
-            num_tokens,
-            paged.q_start.shape[0],
-            paged.block_table.shape[1],
-            kv.num_slots,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            inputs.slot_mapping.data_ptr(),
-            paged.q_start.data_ptr(),
-            paged.q_len.data_ptr(),
-            paged.ctx_len.data_ptr(),
-            paged.block_table.data_ptr(),
-            head_dim**-0.5,
-            *(t.data_ptr() for t in buffers.values()),
+            elem_bytes=_ELEM_BYTES[self.dtype],
+            num_tokens=num_tokens,
+            num_seqs=paged.q_start.shape[0],
+            table_stride=paged.block_table.shape[1],
+            num_slots=kv.num_slots,
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            slot_mapping=inputs.slot_mapping.data_ptr(),
+            q_start=paged.q_start.data_ptr(),
+            q_len=paged.q_len.data_ptr(),
+            ctx_len=paged.ctx_len.data_ptr(),
+            block_table=paged.block_table.data_ptr(),
+            scale=head_dim**-0.5,
+            **{name: tensor.data_ptr() for name, tensor in buffers.items()},
         )
         step_at = ctypes.addressof(step)
         kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
@@ -250,6 +253,3 @@ class FusedLayers:
                 self._matmuls(layer_at, *args)
 
         return run
-
-
-_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}

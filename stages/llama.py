@@ -201,7 +201,7 @@ class LlamaStage(nn.Module):
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
         cos, sin = self.ops.rope_tables(inputs.positions, self.inv_freq, self.dtype)  # all layers
-        if self.fused is not None and inputs.paged is not None:
+        if self.fused is not None:  # (a stage on the CPU kernels always reads the cache paged)
             return self.fused.forward(h, residual, cos, sin, kv, inputs)
         for layer_index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv, layer_index, inputs)
