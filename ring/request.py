@@ -26,6 +26,9 @@ class Req:
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the cache
+    # The step whose batch samples its next token, while that output is in flight: the output
+    # of any other step (it was retracted, or finished by an abort, meanwhile) is not its own.
+    sample_step: int | None = None
     abort_requested: bool = False
     finish_reason: str | None = None
     num_retractions: int = 0

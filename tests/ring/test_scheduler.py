@@ -63,9 +63,13 @@ def test_admission_respects_the_micro_batch_and_total_caps():
     assert cfg.micro_batch_cap == 2
     sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
     sched.apply_reqs(Reqs(0, 0, new=[new(f"r{i}", 3) for i in range(20)]))
-    sizes = [len(sched.decide(slot, slot)[0].entries) for slot in range(4)]
-    assert sizes == [2, 2, 2, 2]
+    batch, _ = sched.decide(0, 0)
+    # Slot 0 fills itself, then admits into the others (their first chunks run here: tiny
+    # prompts are not split); every slot holds its cap and no more.
+    assert len(batch.entries) == 8
+    assert [len(s) for s in sched.slots] == [2, 2, 2, 2]
     assert sched.num_running == 8 and len(sched.waiting) == 12
+    assert [len(sched.decide(slot, slot)[0].entries) for slot in (1, 2, 3)] == [0, 0, 0]
 
 
 def test_an_output_with_the_wrong_digest_is_a_divergence():
@@ -209,5 +213,77 @@ def test_admission_keeps_slots_level_when_fewer_requests_than_the_caps_allow():
     assert cfg.micro_batch_cap == 22
     sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
     sched.apply_reqs(Reqs(0, 0, new=[new(f"r{i}", 3) for i in range(32)]))
-    sizes = [len(sched.decide(slot, slot)[0].entries) for slot in range(3)]
-    assert sizes == [11, 11, 10]
+    for slot in range(3):
+        sched.decide(slot, slot)
+    assert [len(s) for s in sched.slots] == [11, 11, 10]
+
+
+def two_slots_with_one_prompt_run_for_the_other() -> tuple[Scheduler, object]:
+    """Slot 0's step admits a into itself and, full at its share (1 of 2 present), b into
+    slot 1: both prompts (unsplit: 8 tokens) run and sample in slot 0's batch."""
+    sched = Scheduler(RingConfig(pp_size=2, max_running_requests=4), 1000, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", 4, max_new=3), new("b", 4, max_new=3)]))
+    batch, _ = sched.decide(0, 0)
+    return sched, batch
+
+
+def test_a_full_slot_runs_the_prompt_of_a_request_it_admits_into_the_next():
+    sched, batch0 = two_slots_with_one_prompt_run_for_the_other()
+    assert [(e.req.rid, e.chunk.num_tokens, e.chunk.sample) for e in batch0.entries] == [
+        ("a", 4, True),
+        ("b", 4, True),
+    ]
+    assert [[r.rid for r in s] for s in sched.slots] == [["a"], ["b"]]
+    batch1, _ = sched.decide(1, 1)  # b's token is in flight: slot 1 has nothing to run
+    assert batch1.entries == []
+    sched.apply_output(Output(0, 0, batch0.digest, token_ids=[5, 6]))  # due at step 1's end
+    batch2, _ = sched.decide(0, 2)
+    sched.apply_output(Output(1, 1, batch1.digest, token_ids=[]))
+    batch3, _ = sched.decide(1, 3)
+    # b decodes at step 3, as it would have had slot 1's own step 1 run its prompt (its token
+    # then due at step 2's end): the same first-token step, and slot 1's step 1 is free.
+    assert [(e.req.rid, e.chunk.token_ids) for e in batch2.entries] == [("a", [5])]
+    assert [(e.req.rid, e.chunk.token_ids) for e in batch3.entries] == [("b", [6])]
+
+
+def test_a_prompt_continued_in_another_slot_may_end_there():
+    cfg = RingConfig(pp_size=2, max_running_requests=8, chunked_prefill_size=64)
+    sched = Scheduler(cfg, num_kv_blocks=1000, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("p", 100)]))
+    batch0, _ = sched.decide(0, 0)  # 100 pending over 2 slots: 50 here
+    batch1, _ = sched.decide(1, 1)  # slot 1 has 50 of budget: the rest of p, which samples
+    assert [(e.chunk.num_tokens, e.chunk.sample) for e in batch0.entries + batch1.entries] == [
+        (50, False),
+        (50, True),
+    ]
+    assert [[r.rid for r in s] for s in sched.slots] == [["p"], []]  # p still decodes in 0
+    sched.apply_output(Output(0, 0, batch0.digest, token_ids=[]))
+    batch2, _ = sched.decide(0, 2)
+    assert batch2.entries == []  # its token is not back yet
+    sched.apply_output(Output(1, 1, batch1.digest, token_ids=[8]))
+    batch3, _ = sched.decide(1, 3)
+    batch4, _ = sched.decide(0, 4)
+    assert batch3.entries == [] and [e.chunk.token_ids for e in batch4.entries] == [[8]]
+
+
+def test_an_output_for_a_request_aborted_meanwhile_is_dropped():
+    sched, batch0 = two_slots_with_one_prompt_run_for_the_other()
+    sched.apply_reqs(Reqs(1, 1, aborts=["b"]))
+    _, finished = sched.decide(1, 1)  # b's slot comes round before b's output is back
+    assert [(d.rid, d.finish_reason) for d in finished] == [("b", "abort")]
+    deltas = sched.apply_output(Output(0, 0, batch0.digest, token_ids=[5, 6]))
+    assert [(d.rid, d.token_id) for d in deltas] == [("a", 5)]  # nothing more for b
+    assert "b" not in sched.requests
+
+
+def test_an_output_for_a_request_retracted_meanwhile_is_dropped_and_sampled_again():
+    sched, batch0 = two_slots_with_one_prompt_run_for_the_other()
+    b = sched.requests["b"]
+    sched._retract(b)  # as slot 1's step would, short of KV, while b's output is in flight
+    deltas = sched.apply_output(Output(0, 0, batch0.digest, token_ids=[5, 6]))
+    assert [d.rid for d in deltas] == ["a"]
+    assert b.output_ids == [] and b in sched.waiting
+    batch1, _ = sched.decide(1, 1)  # readmitted: its whole prompt again, and it samples
+    assert [(e.req.rid, e.chunk.num_tokens, e.chunk.sample) for e in batch1.entries] == [
+        ("b", 4, True)
+    ]
