@@ -208,7 +208,7 @@ class Scheduler:
                 )
         deltas = []
         for i, (req, token_id) in enumerate(zip(sampled, output.token_ids)):
-            if req.sample_step != output.step or req.state is not ReqState.RUNNING:
+            if req.sample_step != output.step:
                 # Retracted while this output was in flight (its recompute samples again), or
                 # finished by an abort its slot saw first: not its token any more.
                 continue
@@ -281,6 +281,7 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.slot = None
+        req.sample_step = None  # an output still in flight for it is not applied
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         del self.requests[req.rid]
@@ -365,8 +366,8 @@ class Scheduler:
         chunks run in this batch either way."""
         entries = []
         cap = self._slot_cap()
+        order = [(slot + i) % len(self.slots) for i in range(len(self.slots))]
         while self.waiting and prefill_budget > 0:
-            order = [(slot + i) % len(self.slots) for i in range(len(self.slots))]
             home = next((s for s in order if len(self.slots[s]) < cap), None)
             if home is None:
                 break
