@@ -71,7 +71,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--concurrency", default="32", help="closed-loop requests in flight; a list: 1,16,64"
     )
-    parser.add_argument("--num-requests", type=int, default=None, help="default 64 (quick 32)")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests in the workload; each closed loop runs all of them (default 64, quick 32; "
+        "then a closed loop of C runs the first max(2C, a few))",
+    )
     parser.add_argument(
         "--rates", default=None, help="requests/s to sweep, e.g. 0.5,1,2 (default: fractions "
         "of the first layout's closed-loop capacity)",
@@ -160,6 +166,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     num, prompt, output, seconds, args.min_point_requests = QUICK if args.quick else FULL
     if args.workload == "equal":
         prompt, output = EQUAL
+    # Asked for: every closed loop runs exactly that many (a user comparing engines sets it).
+    args.closed_requests = args.num_requests
     args.num_requests = num if args.num_requests is None else args.num_requests
     args.prompt_tokens = args.prompt_tokens or prompt
     args.output_tokens = args.output_tokens or output
@@ -389,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
 
         hf = HFGenerate(model_dir, args.threads, hf_dtype, args.device, compiled=compiled)
         for concurrency in args.concurrencies:
-            sub = _closed_subset(workload, concurrency, args.min_point_requests)
+            sub = _closed_subset(
+                workload, concurrency, args.min_point_requests, args.closed_requests
+            )
             baselines.append(_measure_hf(name, hf, sub, concurrency))
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
         del hf
@@ -438,7 +448,9 @@ def _alternated(
         for n in range(args.repeats):
             print(f" round {n + 1} of {args.repeats}", flush=True)
             for concurrency in args.concurrencies:
-                sub = _closed_subset(workload, concurrency, args.min_point_requests)
+                sub = _closed_subset(
+                    workload, concurrency, args.min_point_requests, args.closed_requests
+                )
                 for target in targets:
                     point = _measure(target, sub, None, concurrency, args.seed)
                     rounds.setdefault((target.layout, concurrency), []).append(point)
@@ -509,7 +521,7 @@ def _sweep(
     for target in targets:
         _warm_up(target, workload, max(args.concurrencies), args.seed)
     for concurrency in args.concurrencies:  # closed loops first: they set the rates
-        sub = _closed_subset(workload, concurrency, args.min_point_requests)
+        sub = _closed_subset(workload, concurrency, args.min_point_requests, args.closed_requests)
         for target in targets:
             points.append(_measure(target, sub, None, concurrency, args.seed))
     if args.no_sweep:
@@ -665,10 +677,14 @@ def _subset(workload: Workload, rate: float, point_seconds: float, min_requests:
     return Workload(workload.seed, workload.requests[:n])
 
 
-def _closed_subset(workload: Workload, concurrency: int, min_requests: int) -> Workload:
-    """A closed loop of C runs the first max(2C, min_requests) requests: enough that places
-    are refilled, not so many that a low concurrency takes all day."""
-    n = min(len(workload.requests), max(2 * concurrency, min_requests))
+def _closed_subset(
+    workload: Workload, concurrency: int, min_requests: int, asked: int | None = None
+) -> Workload:
+    """A closed loop runs `asked` requests when --num-requests said how many (all of the
+    workload); otherwise the first max(2C, min_requests): enough that places are refilled,
+    not so many that a low concurrency takes all day."""
+    n = asked if asked is not None else max(2 * concurrency, min_requests)
+    n = min(len(workload.requests), n)
     return Workload(workload.seed, workload.requests[:n])
 
 

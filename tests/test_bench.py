@@ -197,3 +197,17 @@ def test_bench_serve_warms_each_server_up_untimed_at_full_width():
     serve_bench._warm_up(FakeTarget(), workload, concurrency=6, seed=0)
     assert [len(r.input_ids) for r in sent] == [3] * 6
     assert sorted(r.max_new_tokens for r in sent) == [4, 4, 4] + [serve_bench.WARMUP_TOKENS] * 3
+
+
+def test_a_closed_loop_runs_every_request_asked_for_and_a_few_per_place_by_default():
+    from bench.workload import make_workload
+
+    workload = make_workload(100, 0, vocab_size=1000, prompt_tokens=(4, 8), output_tokens=(2, 4))
+    asked = serve_bench.parse_args(["--num-requests", "100"]).closed_requests
+    assert asked == 100 and serve_bench.parse_args([]).closed_requests is None
+    # asked for: all of them at every concurrency (a user sizing a run gets that run)
+    assert len(serve_bench._closed_subset(workload, 1, 6, asked).requests) == 100
+    assert len(serve_bench._closed_subset(workload, 32, 6, asked).requests) == 100
+    # not asked: the first max(2C, min) of the default workload
+    assert len(serve_bench._closed_subset(workload, 1, 6).requests) == 6
+    assert len(serve_bench._closed_subset(workload, 32, 6).requests) == 64

@@ -73,8 +73,8 @@ def test_bench_serve_at_several_concurrencies_on_a_random_model(tmp_path):
     points = {(p["layout"], p["closed_loop_concurrency"]): p for p in result["points"]}
     assert set(points) == {("PP=1", 1), ("PP=1", 4), ("PP=2", 1), ("PP=2", 4)}
     assert all(p["rate_rps"] is None for p in result["points"])  # --no-sweep
-    # A closed loop of C runs the first max(2C, 6) requests: 6 at C=1, all 8 at C=4.
-    assert points[("PP=1", 1)]["num_requests"] == 6 and points[("PP=1", 4)]["num_requests"] == 8
+    # --num-requests 8: every closed loop runs all 8, at C=1 too (not max(2C, 6) of them).
+    assert points[("PP=1", 1)]["num_requests"] == 8 and points[("PP=1", 4)]["num_requests"] == 8
     baselines = {b["closed_loop_concurrency"]: b for b in result["baselines"]}
     assert set(baselines) == {1, 4} and result["baseline"] == baselines[4]
     for c in (1, 4):  # the same requests, so the same tokens, in every layout and in HF
