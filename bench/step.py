@@ -217,11 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     graphs = runner.graphs
     weight_bytes = runner.parameter_bytes
     # A decode step reads every weight once, except an untied embedding table: of that it
-    # reads only the B rows of this step's tokens.
+    # reads only the B rows of this step's tokens. A matrix held both as grid codes and as bf16
+    # panels is read once, one way or the other, by the batch's rows (weight_bytes_read).
     embed = runner.model.embed_tokens  # None: the lm_head serves the lookup (tied)
     head = getattr(runner.model.lm_head, "weight", None)
     untied_embedding = 0 if embed is None or head is embed else embed.numel() * embed.element_size()
-    read_bytes = weight_bytes - untied_embedding
+    read_bytes = {b: runner.weight_bytes_read(b) - untied_embedding for b in args.batch_sizes}
     # A copy several times any cache: 1/8 of the weights, at least 256 MiB, at most 4 GiB.
     copy_mib = args.copy_mib or min(4096, max(256, weight_bytes // 8 // 2**20))
     bandwidth = copy_bandwidth(device, copy_mib * 2**20)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ppring bench step: {model_dir.name}, {args.dtype} ({choice.reason}), "
         f"weights {args.quantization if args.quantization != 'none' else 'unquantized'}, "
         f"on {device}, {args.threads} threads; "
-        f"weights {weight_bytes / 1e9:.2f} GB ({read_bytes / 1e9:.2f} GB read per step), "
+        f"weights {weight_bytes / 1e9:.2f} GB held ({read_summary(read_bytes)}), "
         f"KV {kv_per_token / 1024:.0f} KiB/token; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_mib} MiB, read + write); "
         + (
@@ -248,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         replayed = graphs is not None and graphs.replays > replays
         matmuls = time_matmuls(runner, batch, max(5, args.steps // 2))
         kv_bytes = batch * timing["mean_context"] * kv_per_token
-        bound_weights_s = read_bytes / bandwidth
-        bound_s = (read_bytes + kv_bytes) / bandwidth
+        bound_weights_s = read_bytes[batch] / bandwidth
+        bound_s = (read_bytes[batch] + kv_bytes) / bandwidth
         # The compute floor takes the faster of the stage's matmuls and F.linear's, so a slow
         # matmul of ours cannot flatter the ratio.
         fastest = min(x for x in (matmuls["stage_s"], matmuls["f_linear_s"]) if x is not None)
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 "step_ms": round(1000 * timing["median_s"], 6),
                 "step_min_ms": round(1000 * timing["min_s"], 6),
                 "tokens_per_s": round(batch / timing["median_s"], 1),
+                "weight_read_bytes": read_bytes[batch],
                 "kv_read_bytes": round(kv_bytes),
                 "bound_weights_ms": round(1000 * bound_weights_s, 6),
                 "bound_ms": round(1000 * bound_s, 6),
@@ -303,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device),
         "threads": args.threads,
         "weight_bytes": weight_bytes,
-        "weight_bytes_read_per_step": read_bytes,
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": round(bandwidth),
         "copy_mib": copy_mib,
@@ -319,6 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     print(f"\nwrote {path} ({result['wall_s']:.0f} s)")
     return 0
+
+
+def read_summary(read_bytes: dict[int, int]) -> str:
+    """'0.10 GB read per step', or per batch size where they differ (grid codes up to a few
+    rows, bf16 panels above)."""
+    if len(set(read_bytes.values())) == 1:
+        return f"{next(iter(read_bytes.values())) / 1e9:.2f} GB read per step"
+    each = ", ".join(f"{b}: {n / 1e9:.2f}" for b, n in read_bytes.items())
+    return f"GB read per step by batch: {each}"
 
 
 def table(result: dict[str, Any]) -> str:

@@ -2218,6 +2218,10 @@ enum { PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 
 typedef struct {
     int32_t kind, n, k, bits;
     const void *a, *b, *c;
+    /* PPR_GRID_BF16 held both ways (stages/linear.py GridBf16Linear): calls of more than
+     * code_rows rows multiply the bf16 panels instead, for the same results; NULL: codes only */
+    const void *panels;
+    int32_t code_rows;
 } ppr_linear_t;
 
 /* What a layer holds: its four matrices, two norm weights [d] and its shape. */
@@ -2254,9 +2258,10 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
     case PPR_BF16:
         return elem_bytes == 2 ? ppr_linear_bf16(x, w->a, y, M, w->n, w->k) : -1;
     case PPR_GRID_BF16:
-        return elem_bytes == 2
-                   ? ppr_linear_grid_bf16(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits)
-                   : -1;
+        if (elem_bytes != 2) return -1;
+        if (w->panels && M > w->code_rows)
+            return ppr_linear_bf16(x, w->panels, y, M, w->n, w->k);
+        return ppr_linear_grid_bf16(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits);
     case PPR_INT8:
         ppr_linear_int8(elem_bytes, x, w->a, w->b, y, M, w->n, w->k);
         return 0;

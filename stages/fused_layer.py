@@ -45,6 +45,8 @@ class _Linear(ctypes.Structure):
         ("a", ctypes.c_void_p),
         ("b", ctypes.c_void_p),
         ("c", ctypes.c_void_p),
+        ("panels", ctypes.c_void_p),
+        ("code_rows", ctypes.c_int32),
     ]
 
 
@@ -118,6 +120,9 @@ def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
     n, k = proj.out_features, proj.in_features
     if kind in (_F32, _BF16):
         return _Linear(kind, n, k, 0, proj.panels.data_ptr(), None, None)
+    if kind == _GRID_BF16:  # held both ways: the codes up to code_rows rows, then the panels
+        pointers = (*_grid_pointers(proj.grid), proj.panels.data_ptr())
+        return _Linear(kind, n, k, proj.grid.bits, *pointers, proj.code_rows)
     return _Linear(kind, n, k, proj.grid.bits, *_grid_pointers(proj.grid))
 
 

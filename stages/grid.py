@@ -15,7 +15,8 @@ own decoding of the codes against the weight bit for bit before it uses them
 
 The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them:
 `GridCodes` for the fp32 kernel (ppr_linear_grid documents the layout), `GridPairs` for the bf16
-one (ppr_linear_grid_bf16), whose decoded weights are the fp32 ones rounded to bf16.
+one (ppr_linear_grid_bf16), whose decoded weights are the fp32 ones rounded to bf16 (a bf16 stage
+holds the bf16 panels as well and reads them for more than a few rows: stages/linear.py).
 `PPRING_GRID_WEIGHTS=0` turns both off.
 """
 

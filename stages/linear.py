@@ -21,12 +21,13 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   vdpbf16ps and multiplied by `cpu_kernels.c` at every row count (faster than oneDNN at each,
   and a row's result does not depend on what it is batched with).
 - `GridBf16Linear` (CPU, bf16, AVX512_BF16): a weight whose checkpoint values lie on a GGUF
-  grid, held as its codes and decoded pair by pair into the same bf16 CpuBf16Linear would hold:
-  the same results from 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2. A bf16 stage
-  loads its matrices in fp32 for the search (`source_dtype`). All of SmolLM2's matmuls, 2
-  threads, on a Zen 4 EPYC (alternated): 1 row 12.6-13.1 -> 6.7-7.4 ms (the weights no longer
-  stream at the memory's speed), 11 rows level, 32 rows 29.9 -> 31.3-34.2 (decoding costs
-  compute where vdpbf16ps is the bound), 64 rows level.
+  grid, held as its codes, decoded pair by pair into the same bf16 CpuBf16Linear would hold,
+  and as CpuBf16Linear's panels too: the same results either way, so each call reads whichever
+  is faster for its rows (`code_rows`). The codes read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a
+  weight instead of 2: all of SmolLM2's matmuls, 2 threads, on a Zen 4 EPYC (alternated), 1
+  row 12.6-13.1 -> 6.7-7.4 ms; but decoding costs compute where vdpbf16ps is the bound, and
+  from 6 rows (2 threads; 10 on one) the panels are faster (32 rows 26.0 ms against 28.3). A
+  bf16 stage loads its matrices in fp32 for the search (`source_dtype`).
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -34,6 +35,8 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -181,35 +184,63 @@ def grid_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridLinear | No
     return GridLinear(found, kernels)
 
 
+# Rows up to which GridBf16Linear reads its codes; above, its bf16 panels (the same results).
+# The codes cost decoding, eight vector operations per 32 weights, whatever the rows; the
+# panels cost 2 bytes a weight from memory. Crossovers over a stage's matmuls on the 2-core Zen 4
+# EPYC (alternated, medians, ms, codes / panels): one thread, half of SmolLM2 (a PP=2 stage),
+# 8 rows 8.56 / 9.65, 10 rows 10.84 / 10.84, 12 rows 13.06 / 11.82, 16 rows 15.5 / 13.8; two
+# threads, all of it, 4 rows 7.79 / 8.97, 6 rows 9.31 / 8.35, 32 rows 28.3 / 26.0 (1 row 5.4 /
+# 11.1). More threads stream the panels faster, so the crossover comes sooner.
+CODE_ROWS_ENV = "PPRING_CODE_ROWS"  # a number: overrides code_rows_for
+CODE_ROWS_ONE_THREAD, CODE_ROWS_MORE_THREADS = 9, 5
+
+
+def code_rows_for(threads: int) -> int:
+    """The most rows for which a matrix held both ways reads its codes, on `threads` threads."""
+    override = os.environ.get(CODE_ROWS_ENV)
+    if override is not None:
+        return int(override)
+    return CODE_ROWS_ONE_THREAD if threads <= 1 else CODE_ROWS_MORE_THREADS
+
+
 class GridBf16Linear(_HeldAsCodes):
-    """A bf16 weight whose fp32 source lies on a GGUF grid (stages/grid.py), held as its codes
-    and decoded pair by pair into the products (cpu_kernels.c ppr_linear_grid_bf16): the same
-    results as CpuBf16Linear, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2."""
+    """A bf16 weight whose fp32 source lies on a GGUF grid (stages/grid.py), held twice: as its
+    codes, decoded pair by pair into the products (cpu_kernels.c ppr_linear_grid_bf16), and as
+    the bf16 panels CpuBf16Linear holds. Both give the same results bit for bit, so which one a
+    call reads is a matter of speed alone, chosen by its rows (`code_rows`): the codes for a
+    few rows, where reading 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2 is the
+    step, the panels above, where decoding would cost more than it saves. Against the codes
+    alone, the equal-work bench at 32 in flight on the 2-core Zen 4 EPYC (alternated, medians
+    of 3): PP=1 549 -> 613 tok/s, PP=2 490 -> 558."""
 
     grid: GridPairs
 
+    def __init__(
+        self, grid: GridPairs, kernels: NativeKernels, panels: torch.Tensor, code_rows: int
+    ) -> None:
+        super().__init__(grid, kernels)
+        self.register_buffer("panels", panels)  # [ceil(N/16), K / 2, 16, 2] bf16
+        self.code_rows = code_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_grid_bf16(x, self.grid)  # [T, K] -> [T, N]
+        if x.shape[0] <= self.code_rows:
+            return self.kernels.linear_grid_bf16(x, self.grid)  # [T, K] -> [T, N]
+        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
-        kernel decodes the T panels holding them (the same bits as the matmul multiplies;
-        torch's gathers and fp16 casts over the codes took 1 ms for one token)."""
-        pairs, panel = self.grid, ids // PANEL
-        picked = GridPairs(
-            pairs.bits,
-            pairs.codes[panel].contiguous(),
-            pairs.scale[panel].contiguous(),
-            None if pairs.offset is None else pairs.offset[panel].contiguous(),
-            out_features=ids.shape[0] * PANEL,
-        )
-        panels = self.kernels.unpack_grid_bf16(picked)  # [T, K / 2, 16, 2]
-        return _bf16_rows(panels, torch.arange(ids.shape[0]), ids % PANEL, self.in_features)
+        """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup)."""
+        return _bf16_rows(self.panels, ids // PANEL, ids % PANEL, self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] back from its codes (for tools that compare with F.linear)."""
         panels = self.kernels.unpack_grid_bf16(self.grid)  # [P, K / 2, 16, 2]
         return _from_bf16_panels(panels, self.out_features, self.in_features)
+
+    def bytes_read(self, rows: int) -> int:
+        """What a call of `rows` rows reads: the codes, or the panels."""
+        if rows <= self.code_rows:
+            return self.grid.nbytes
+        return self.panels.numel() * self.panels.element_size()
 
 
 def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Linear | None:
@@ -222,11 +253,10 @@ def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Li
     if found is None:
         return None
     pairs = grid.pack_pairs(found, weight.shape[0])
-    if not torch.equal(
-        kernels.unpack_grid_bf16(pairs), kernels.pack_bf16(weight.to(torch.bfloat16))
-    ):
+    panels = kernels.pack_bf16(weight.to(torch.bfloat16))
+    if not torch.equal(kernels.unpack_grid_bf16(pairs), panels):
         return None
-    return GridBf16Linear(pairs, kernels)
+    return GridBf16Linear(pairs, kernels, panels, code_rows_for(torch.get_num_threads()))
 
 
 class Int8Linear(nn.Module):

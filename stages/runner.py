@@ -234,6 +234,16 @@ class StageRunner(Stage):
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def weight_bytes_read(self, rows: int) -> int:
+        """Of parameter_bytes, what a forward of `rows` rows reads: a matrix held both as
+        codes and as bf16 panels (GridBf16Linear) reads one of them."""
+        unread = sum(
+            m.grid.nbytes + m.panels.numel() * m.panels.element_size() - m.bytes_read(rows)
+            for m in self.model.modules()
+            if isinstance(m, GridBf16Linear)
+        )
+        return self.parameter_bytes - unread
+
     @property
     def num_kv_blocks(self) -> int:
         return self._num_kv_blocks
@@ -589,6 +599,9 @@ def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
         return f"{name}, packed in panels for the kernels"
     counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
     rest = "" if len(grids) == total else ", the rest packed in panels"
+    both = [m.code_rows for m in model.modules() if isinstance(m, GridBf16Linear)]
+    also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
     return (
-        f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts}){rest}"
+        f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts})"
+        f"{also}{rest}"
     )

@@ -1,6 +1,7 @@
 """bf16 stages over weights on a GGUF grid (stages/grid.py GridPairs, cpu_kernels.c
-ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as codes, and multiplied to
-the very same bf16 results as the packed bf16 panels, at every row count."""
+ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as codes and as bf16 panels,
+and multiplied to the very same bf16 results either way, at every row count; a call reads the
+codes up to `code_rows` rows, the panels above."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from stages import grid, native
+from stages import linear as linear_module
 from stages.linear import CpuBf16Linear, GridBf16Linear, make_linear, source_dtype
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 
@@ -33,15 +35,45 @@ def test_a_grid_weight_multiplies_exactly_as_its_bf16_panels(
     assert isinstance(linear, GridBf16Linear) and linear.grid.bits == bits
     assert torch.equal(linear.dense_weight(), weight.to(BF16))
     dense = CpuBf16Linear(weight.to(BF16), kernels)
+    assert torch.equal(linear.panels, dense.panels)
     # 1-12 rows decode into the products; 13 and up decode a unit once into a buffer
     for rows in (1, 2, 5, 11, 12, 13, 24, 25, 64):
         x = torch.randn(rows, k).to(BF16)
-        assert torch.equal(linear(x), dense(x)), f"{rows} rows"
+        expected = dense(x)
+        assert torch.equal(kernels.linear_grid_bf16(x, linear.grid), expected), f"{rows} rows"
+        assert torch.equal(linear(x), expected), f"{rows} rows"
     ids = torch.tensor([0, n - 1, 15, 16, 8, 7, 0, n // 2]) % n
     assert torch.equal(linear.rows(ids), weight.to(BF16)[ids])  # a tied embedding's lookup
     assert linear.rows(ids).dtype == BF16
     assert linear.rows(ids[:0]).shape == (0, k)
     assert linear.grid.nbytes < dense.panels.numel() * 2 * 0.6  # far fewer bytes than bf16
+    assert linear.bytes_read(linear.code_rows) == linear.grid.nbytes
+    assert linear.bytes_read(linear.code_rows + 1) == dense.panels.numel() * 2
+
+
+def test_a_call_reads_the_codes_up_to_code_rows_and_the_panels_above(
+    kernels: native.NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    linear = make_linear(q4_1_weight(48, 64, seed=5), "none", kernels, BF16)
+    assert isinstance(linear, GridBf16Linear)
+    read: list[str] = []
+    for name in ("linear_grid_bf16", "linear_bf16"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _real=real, _name=name: read.append(_name) or _real(*a)
+        )
+    for rows in (1, linear.code_rows, linear.code_rows + 1, 40):
+        linear(torch.randn(rows, 64).to(BF16))
+    assert read == ["linear_grid_bf16", "linear_grid_bf16", "linear_bf16", "linear_bf16"]
+
+
+def test_code_rows_follow_the_threads_and_the_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(linear_module.CODE_ROWS_ENV, raising=False)
+    one, two = linear_module.code_rows_for(1), linear_module.code_rows_for(2)
+    assert one > two >= 1  # one thread streams the panels slower: codes pay off longer
+    assert linear_module.code_rows_for(16) == two
+    monkeypatch.setenv(linear_module.CODE_ROWS_ENV, "0")  # panels for every call
+    assert linear_module.code_rows_for(1) == 0
 
 
 def test_a_row_does_not_depend_on_its_batch(kernels: native.NativeKernels) -> None:
