@@ -210,8 +210,8 @@ class GridBf16Linear(_HeldAsCodes):
     call reads is a matter of speed alone, chosen by its rows (`code_rows`): the codes for a
     few rows, where reading 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2 is the
     step, the panels above, where decoding would cost more than it saves. Against the codes
-    alone, the equal-work bench at 32 in flight on the 2-core Zen 4 EPYC (alternated, medians
-    of 3): PP=1 549 -> 613 tok/s, PP=2 490 -> 558."""
+    alone, the equal-work bench on the 2-core Zen 4 EPYC (alternated, medians of 3 rounds): PP=2
+    487 -> 552 tok/s at 32 in flight, 563 -> 583 at 64; PP=1 level (626 -> 629, 671 -> 649)."""
 
     grid: GridPairs
 
