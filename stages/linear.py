@@ -198,9 +198,14 @@ CODE_ROWS_ONE_THREAD, CODE_ROWS_MORE_THREADS = 9, 5
 def code_rows_for(threads: int) -> int:
     """The most rows for which a matrix held both ways reads its codes, on `threads` threads."""
     override = os.environ.get(CODE_ROWS_ENV)
-    if override is not None:
-        return int(override)
-    return CODE_ROWS_ONE_THREAD if threads <= 1 else CODE_ROWS_MORE_THREADS
+    if override is None:
+        return CODE_ROWS_ONE_THREAD if threads <= 1 else CODE_ROWS_MORE_THREADS
+    if not override.strip().isdigit():
+        raise ConfigError(
+            f"{CODE_ROWS_ENV}={override!r} is not a row count; give a whole number >= 0 "
+            "(0: the bf16 panels for every call)"
+        )
+    return int(override)
 
 
 class GridBf16Linear(_HeldAsCodes):

@@ -68,6 +68,13 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
         )
 
 
+def test_the_header_says_what_each_batch_reads():
+    assert step_bench.read_summary({1: 10**8, 32: 10**8}) == "0.10 GB read per step"
+    assert step_bench.read_summary({1: 10**8, 32: 27 * 10**7}) == (
+        "GB read per step by batch: 1: 0.10, 32: 0.27"
+    )
+
+
 def test_bench_step_refuses_bad_arguments(capsys):
     for bad in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--context", "0"]):
         with pytest.raises(SystemExit) as exc:

@@ -10,6 +10,7 @@ import torch
 
 from stages import grid, native
 from stages import linear as linear_module
+from stages.errors import ConfigError
 from stages.linear import CpuBf16Linear, GridBf16Linear, make_linear, source_dtype
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 
@@ -74,6 +75,10 @@ def test_code_rows_follow_the_threads_and_the_override(monkeypatch: pytest.Monke
     assert linear_module.code_rows_for(16) == two
     monkeypatch.setenv(linear_module.CODE_ROWS_ENV, "0")  # panels for every call
     assert linear_module.code_rows_for(1) == 0
+    for bad in ("many", "-1", "2.5", ""):
+        monkeypatch.setenv(linear_module.CODE_ROWS_ENV, bad)
+        with pytest.raises(ConfigError, match="not a row count"):
+            linear_module.code_rows_for(2)
 
 
 def test_a_row_does_not_depend_on_its_batch(kernels: native.NativeKernels) -> None:
