@@ -237,9 +237,9 @@ class GridBf16Linear(_HeldAsCodes):
         return _bf16_rows(self.panels, ids // PANEL, ids % PANEL, self.in_features)
 
     def dense_weight(self) -> torch.Tensor:
-        """The bf16 weight [N, K] back from its codes (for tools that compare with F.linear)."""
-        panels = self.kernels.unpack_grid_bf16(self.grid)  # [P, K / 2, 16, 2]
-        return _from_bf16_panels(panels, self.out_features, self.in_features)
+        """The bf16 weight [N, K] back from its panels, which the codes decode to bit for bit
+        (checked at load), for tools that compare with F.linear."""
+        return _from_bf16_panels(self.panels, self.out_features, self.in_features)
 
     def bytes_read(self, rows: int) -> int:
         """What a call of `rows` rows reads: the codes, or the panels."""
