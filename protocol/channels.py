@@ -5,7 +5,9 @@
   block, with an optional timeout.
 - `RouterChannel` / `DealerChannel`: clients and the frontend.
 - `AsyncRouterChannel` / `AsyncDealerChannel`: the same over `zmq.asyncio`, for the frontend's
-  event loop and the async client.
+  event loop and the async client. The frontend bundles what it has for one client into one
+  ZeroMQ message (`send_many`, as a ring link bundles a step); a dealer hands the messages out
+  one at a time, in order.
 
 Zero-copy rule (vLLM #24655): a tensor frame is handed to ZeroMQ with `copy=False`, so ZeroMQ
 reads the tensor's memory after `send` returns. pyzmq keeps a reference to the buffer, so it is
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from protocol.codec import decode, decode_many, encode
+from protocol.codec import decode, decode_many, encode, encode_many
 from protocol.curve import Security, secure, watch_refusals
 from protocol.errors import ProtocolError
 from protocol.schema import Limits
@@ -243,6 +246,7 @@ class DealerChannel(_Channel):
         ctx = ctx or zmq.Context.instance()
         sock = _open(ctx, zmq.DEALER, addr, bind=False, security=security)
         super().__init__(sock, addr, limits)
+        self.pending: deque[Any] = deque()  # the rest of the last bundle received
 
     def send(self, msg: Any, timeout_s: float | None = None) -> None:
         """Send `msg`; with `timeout_s`, raise ChannelTimeout if no peer takes it by then. (A
@@ -269,9 +273,13 @@ class DealerChannel(_Channel):
                 raise ChannelTimeout(f"cannot send to {self.addr} within {timeout_s:.3g} s")
 
     def recv(self, timeout_s: float | None = None) -> Any:
-        if timeout_s is not None and not self.sock.poll(_timeout_ms(timeout_s)):
-            raise ChannelTimeout(f"no reply from {self.addr} within {timeout_s:.3g} s")
-        return decode(self.sock.recv_multipart(copy=False), self.limits)
+        """The next message: the frontend bundles what it has for a client at once
+        (AsyncRouterChannel.send_many), and they come out one at a time, in order."""
+        if not self.pending:
+            if timeout_s is not None and not self.sock.poll(_timeout_ms(timeout_s)):
+                raise ChannelTimeout(f"no reply from {self.addr} within {timeout_s:.3g} s")
+            self.pending.extend(decode_many(self.sock.recv_multipart(copy=False), self.limits))
+        return self.pending.popleft()
 
 
 class AsyncRouterChannel(_Channel):
@@ -296,6 +304,21 @@ class AsyncRouterChannel(_Channel):
     async def send(self, identity: bytes, msg: Any) -> None:
         await self.sock.send_multipart([identity, *encode(msg)], copy=False)
 
+    def send_many(self, identity: bytes, msgs: list[Any]) -> None:
+        """`msgs` to one client, in order, as few ZeroMQ messages as the client's bundle cap
+        allows (DealerChannel.recv splits them): one a step for all of a client's streams,
+        not one a token each, as vLLM's engine core sends one batch of outputs a step.
+
+        Not awaited: a ROUTER send never waits (an unroutable message, or one past the
+        high-water mark, is dropped), so the future pyzmq returns is already done. It must
+        still go through the asyncio socket, not a plain shadow of it: a send reads the
+        socket's pending events, and only the asyncio socket then wakes a waiting recv
+        (through a shadow, a client's request that arrived meanwhile was never read)."""
+        cap = self.limits.max_bundle
+        for start in range(0, len(msgs), cap):
+            frames = encode_many(msgs[start : start + cap])
+            self.sock.send_multipart([identity, *frames], copy=False)
+
 
 class AsyncDealerChannel(_Channel):
     """DealerChannel for asyncio (the async client)."""
@@ -311,12 +334,17 @@ class AsyncDealerChannel(_Channel):
         ctx = ctx or zmq.asyncio.Context.instance()
         sock = _open(ctx, zmq.DEALER, addr, bind=False, security=security)
         super().__init__(sock, addr, limits)
+        self.pending: deque[Any] = deque()  # the rest of the last bundle received
 
     async def send(self, msg: Any) -> None:
         await self.sock.send_multipart(encode(msg), copy=False)
 
     async def recv(self) -> Any:
-        return decode(await self.sock.recv_multipart(copy=False), self.limits)
+        """The next message, one at a time out of the frontend's bundles (DealerChannel)."""
+        if not self.pending:
+            frames = await self.sock.recv_multipart(copy=False)
+            self.pending.extend(decode_many(frames, self.limits))
+        return self.pending.popleft()
 
 
 def _split_router(frames: list[Any], limits: Limits) -> tuple[bytes, Any]:

@@ -31,7 +31,7 @@ from protocol.schema import Limits, TensorField, field_types, from_wire, tensor_
 # catch_warnings() block per tensor cost more than the rest of decoding it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: the frontend bundles a client's answers (channels.py send_many)
 DEFAULT_LIMITS = Limits()
 
 # The dtypes a tensor may travel in: name on the wire (torch's spelling) -> its protocol/dtypes.py

@@ -79,3 +79,80 @@ def test_requests_wait_for_a_reforming_ring_and_are_replayed_from_their_last_tok
         asyncio.run(scenario())
     finally:
         ring.close(0)
+
+
+def test_one_ring_step_reaches_each_client_as_one_zeromq_message(default_model):
+    """The frontend bundles what one Deltas message produced for a client: two streams' tokens
+    and one stream's Done reach a raw DEALER as a single ZeroMQ message, in order, and another
+    client gets its own."""
+    import zmq
+    from transformers import AutoTokenizer
+
+    from protocol.channels import CLIENT_LIMITS, PushChannel
+    from protocol.codec import decode_many, encode
+    from protocol.messages import Deltas
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model)
+    ring = PullChannel("tcp://127.0.0.1:*")  # stands in for stage 0's intake
+    ctx = zmq.Context()
+
+    async def scenario() -> list[list]:
+        frontend = Frontend(
+            tokenizer,
+            client_addr="tcp://127.0.0.1:*",
+            intake_addr=ring.addr,
+            deltas_addr="tcp://127.0.0.1:*",
+            context_length=2048,
+        )
+        deltas = PushChannel(frontend.deltas.addr)
+        clients = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        serving = asyncio.create_task(frontend.serve())
+        try:
+            for client in clients:
+                client.connect(frontend.addr)
+            sampling = SamplingParams(max_new_tokens=4)
+            for rid in ("a", "b"):
+                clients[0].send_multipart(encode(Generate(rid=rid, prompt="Hi", sampling=sampling)))
+            clients[1].send_multipart(encode(Generate(rid="c", prompt="Hi", sampling=sampling)))
+            ring_rids = []
+            while len(ring_rids) < 3:
+                await asyncio.sleep(0.01)
+                while ring.poll(0):
+                    ring_rids += [r.rid for r in ring.recv().new]
+            by_client = {rid.split("/")[1]: rid for rid in ring_rids}
+            deltas.send(
+                Deltas(
+                    step=0,
+                    deltas=[
+                        RequestDelta(by_client["a"], 11, None, ""),
+                        RequestDelta(by_client["c"], 12, None, ""),
+                        RequestDelta(by_client["b"], 13, None, "length"),
+                    ],
+                )
+            )
+            received = []
+            for client in clients:
+                for _ in range(500):
+                    if client.poll(0):
+                        break
+                    await asyncio.sleep(0.01)
+                received.append(decode_many(client.recv_multipart(), CLIENT_LIMITS))
+                assert not client.poll(200)  # and nothing more
+            return received
+        finally:
+            serving.cancel()
+            deltas.close(0)
+            for client in clients:
+                client.close(0)
+            frontend.close()
+
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        ring.close(0)
+        ctx.term()
+    assert [(type(m).__name__, m.rid) for m in first] == [
+        ("Chunk", "a"), ("Chunk", "b"), ("Done", "b"),
+    ]  # fmt: skip
+    assert first[0].token_ids == [11] and first[1].token_ids == [13]
+    assert [(type(m).__name__, m.rid, m.token_ids) for m in second] == [("Chunk", "c", [12])]

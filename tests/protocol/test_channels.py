@@ -9,6 +9,7 @@ import zmq.asyncio
 
 from launch.procs import find_free_base_port
 from protocol.channels import (
+    CLIENT_LIMITS,
     AsyncDealerChannel,
     AsyncRouterChannel,
     ChannelTimeout,
@@ -17,7 +18,8 @@ from protocol.channels import (
     PushChannel,
     RouterChannel,
 )
-from protocol.messages import Abort, Done, Proxy, Reqs
+from protocol.codec import encode
+from protocol.messages import Abort, Chunk, Done, Ping, Pong, Proxy, Reqs
 
 
 def test_push_never_blocks_even_before_the_peer_binds(ctx):
@@ -105,5 +107,96 @@ def test_async_router_and_dealer_talk():
             dealer.close(0)
             router.close(0)
             ctx.term()
+
+    asyncio.run(run())
+
+
+def test_a_client_gets_the_frontends_bundles_one_message_at_a_time_in_order():
+    """send_many: what the frontend has for one client leaves as few ZeroMQ messages as the
+    client's bundle cap allows; both dealers hand the messages out one by one, in order, and a
+    timeout applies only when nothing is left of the last bundle."""
+    chunks = [Chunk("a", f"t{i}", [i]) for i in range(40)]  # more than one bundle (cap 32)
+    done = Done("a", "length", 3, 40, 0.1, 0.01, 0.5)
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        router = AsyncRouterChannel("tcp://127.0.0.1:*", ctx=ctx)
+        dealer = AsyncDealerChannel(router.addr, ctx=ctx)
+        sync_dealer = DealerChannel(router.addr, ctx=zmq.Context.instance())
+        try:
+            await dealer.send(Ping(rid="p"))
+            sync_dealer.send(Ping(rid="p"))
+            identities = [(await asyncio.wait_for(router.recv(), 5))[0] for _ in range(2)]
+            for identity in identities:
+                router.send_many(identity, [*chunks, done])
+            got = [await asyncio.wait_for(dealer.recv(), 5) for _ in range(41)]
+            got_sync = [sync_dealer.recv(timeout_s=5) for _ in range(41)]
+            assert got == got_sync == [*chunks, done]
+            # two ZeroMQ messages carried them: 32, then 9 (nothing left over to hand out)
+            assert not dealer.pending and not sync_dealer.pending
+            with pytest.raises(ChannelTimeout):
+                sync_dealer.recv(timeout_s=0.1)
+        finally:
+            dealer.close(0)
+            sync_dealer.close(0)
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(run())
+
+
+def test_send_many_splits_at_the_clients_bundle_cap(ctx):
+    """A raw DEALER sees the ZeroMQ messages themselves: ceil(n / cap) of them."""
+    from protocol.codec import decode_many
+
+    async def run() -> list[int]:
+        actx = zmq.asyncio.Context()
+        router = AsyncRouterChannel("tcp://127.0.0.1:*", ctx=actx)
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(router.addr)
+        try:
+            raw.send_multipart(encode(Ping(rid="p")))
+            identity, _ = await asyncio.wait_for(router.recv(), 5)
+            cap = router.limits.max_bundle
+            router.send_many(identity, [Pong(rid=str(i)) for i in range(2 * cap + 1)])
+            sizes = []
+            while raw.poll(1000):
+                sizes.append(len(decode_many(raw.recv_multipart(), router.limits)))
+            return sizes
+        finally:
+            raw.close(0)
+            router.close(0)
+            actx.term()
+
+    cap = CLIENT_LIMITS.max_bundle
+    assert asyncio.run(run()) == [cap, cap, 1]
+
+
+def test_send_many_does_not_swallow_a_request_that_arrived_meanwhile():
+    """A send reads the socket's pending events; a request that arrived while the event loop
+    was busy must still wake the frontend's waiting recv after send_many (it did not when the
+    sends went through a plain shadow of the asyncio socket: clients timed out)."""
+
+    async def run() -> None:
+        actx = zmq.asyncio.Context()
+        ctx = zmq.Context()
+        router = AsyncRouterChannel("tcp://127.0.0.1:*", ctx=actx)
+        dealer = DealerChannel(router.addr, ctx=ctx)
+        try:
+            dealer.send(Ping(rid="first"))
+            identity, _ = await asyncio.wait_for(router.recv(), 5)
+            waiting = asyncio.ensure_future(router.recv())
+            await asyncio.sleep(0.05)  # the recv waits on the socket
+            dealer.send(Ping(rid="second"))
+            time.sleep(0.3)  # the loop is busy: the request arrives unseen
+            router.send_many(identity, [Pong(rid="first")])
+            _, msg = await asyncio.wait_for(waiting, 5)
+            assert msg == Ping(rid="second")
+            assert dealer.recv(timeout_s=5) == Pong(rid="first")
+        finally:
+            dealer.close(0)
+            router.close(0)
+            ctx.term()
+            actx.term()
 
     asyncio.run(run())
