@@ -21,14 +21,7 @@ def test_requests_wait_for_a_reforming_ring_and_are_replayed_from_their_last_tok
     ring = PullChannel("tcp://127.0.0.1:*")  # stands in for stage 0's intake
 
     async def scenario() -> None:
-        frontend = Frontend(
-            tokenizer,
-            client_addr="tcp://127.0.0.1:*",
-            intake_addr=ring.addr,
-            deltas_addr="tcp://127.0.0.1:*",
-            context_length=2048,
-            max_held_requests=2,
-        )
+        frontend = _frontend(tokenizer, ring, max_held_requests=2)
         answers: dict[str, list] = {}
 
         def sink(name: str):
@@ -97,13 +90,7 @@ def test_one_ring_step_reaches_each_client_as_one_zeromq_message(default_model):
     ctx = zmq.Context()
 
     async def scenario() -> list[list]:
-        frontend = Frontend(
-            tokenizer,
-            client_addr="tcp://127.0.0.1:*",
-            intake_addr=ring.addr,
-            deltas_addr="tcp://127.0.0.1:*",
-            context_length=2048,
-        )
+        frontend = _frontend(tokenizer, ring)
         deltas = PushChannel(frontend.deltas.addr)
         clients = [ctx.socket(zmq.DEALER) for _ in range(2)]
         serving = asyncio.create_task(frontend.serve())
@@ -156,3 +143,15 @@ def test_one_ring_step_reaches_each_client_as_one_zeromq_message(default_model):
     ]  # fmt: skip
     assert first[0].token_ids == [11] and first[1].token_ids == [13]
     assert [(type(m).__name__, m.rid, m.token_ids) for m in second] == [("Chunk", "c", [12])]
+
+
+def _frontend(tokenizer, ring: PullChannel, **kwargs) -> Frontend:
+    """A frontend on loopback whose stage 0 is `ring` (a PullChannel the test reads)."""
+    return Frontend(
+        tokenizer,
+        client_addr="tcp://127.0.0.1:*",
+        intake_addr=ring.addr,
+        deltas_addr="tcp://127.0.0.1:*",
+        context_length=2048,
+        **kwargs,
+    )
