@@ -247,6 +247,11 @@ class GridBf16Linear(_HeldAsCodes):
             return self.grid.nbytes
         return self.panels.numel() * self.panels.element_size()
 
+    def bytes_unread(self, rows: int) -> int:
+        """What it holds that a call of `rows` rows does not read: the other of the two."""
+        held = self.grid.nbytes + self.panels.numel() * self.panels.element_size()
+        return held - self.bytes_read(rows)
+
 
 def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Linear | None:
     """GridBf16Linear for `weight` [N, K] (fp32, the checkpoint's values) if it lies on a grid

@@ -237,12 +237,10 @@ class StageRunner(Stage):
     def weight_bytes_read(self, rows: int) -> int:
         """Of parameter_bytes, what a forward of `rows` rows reads: a matrix held both as
         codes and as bf16 panels (GridBf16Linear) reads one of them."""
-        unread = sum(
-            m.grid.nbytes + m.panels.numel() * m.panels.element_size() - m.bytes_read(rows)
-            for m in self.model.modules()
-            if isinstance(m, GridBf16Linear)
+        modules = self.model.modules()
+        return self.parameter_bytes - sum(
+            m.bytes_unread(rows) for m in modules if isinstance(m, GridBf16Linear)
         )
-        return self.parameter_bytes - unread
 
     @property
     def num_kv_blocks(self) -> int:

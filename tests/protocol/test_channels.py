@@ -132,7 +132,7 @@ def test_a_client_gets_the_frontends_bundles_one_message_at_a_time_in_order():
             got = [await asyncio.wait_for(dealer.recv(), 5) for _ in range(41)]
             got_sync = [sync_dealer.recv(timeout_s=5) for _ in range(41)]
             assert got == got_sync == [*chunks, done]
-            # two ZeroMQ messages carried them: 32, then 9 (nothing left over to hand out)
+            # nothing is left over to hand out (the split itself: the next test)
             assert not dealer.pending and not sync_dealer.pending
             with pytest.raises(ChannelTimeout):
                 sync_dealer.recv(timeout_s=0.1)
