@@ -10,7 +10,9 @@ EOS stop, so every continuation has exactly --new-tokens tokens) and reports, fo
 candidate, the share of continuations whose first --prefix tokens equal the reference's, the
 mean length of the common prefix, and the share of all tokens equal position by position.
 A configuration is `float32`, `bfloat16`, or `int8` (int8 weights, activations in the
-machine's --dtype auto), or DTYPE+int8. Writes bench_agreement.json into --out.
+machine's --dtype auto), or DTYPE+int8; `+exact` holds a bf16 stage's GGUF codes decoded to bf16
+(PPRING_GRID_ACTIVATIONS=bf16) rather than multiplied by int8 activations, the default.
+Writes bench_agreement.json into --out.
 """
 
 from __future__ import annotations
@@ -73,15 +75,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def split_config(config: str) -> tuple[str, str]:
-    """ "int8" -> ("auto", "int8"); "bfloat16+int8" -> ("bfloat16", "int8"); "float32" ->
-    ("float32", "none")."""
+def split_config(config: str) -> tuple[str, str, str]:
+    """ "int8" -> ("auto", "int8", "int8"); "bfloat16+int8" -> ("bfloat16", "int8", "int8");
+    "float32" -> ("float32", "none", "int8"); "bfloat16+exact" -> ("bfloat16", "none", "bf16").
+    The last is how a bf16 stage multiplies GGUF codes (stages/linear.py grid_activations)."""
     parts = config.split("+")
-    dtype = next((p for p in parts if p != "int8"), "auto")
-    quantization = "int8" if "int8" in parts else "none"
-    if dtype not in ("auto", "float32", "bfloat16") or len(parts) > 2:
-        raise ValueError(f"{config} is not a configuration: use float32, bfloat16, int8, D+int8")
-    return dtype, quantization
+    flags = [p for p in parts if p in ("int8", "exact")]
+    dtypes = [p for p in parts if p not in flags]
+    dtype = dtypes[0] if dtypes else "auto"
+    quantization = "int8" if "int8" in flags else "none"
+    if (
+        dtype not in ("auto", "float32", "bfloat16")
+        or len(dtypes) > 1
+        or len(set(flags)) != len(flags)
+    ):
+        raise ValueError(
+            f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact"
+        )
+    return dtype, quantization, "bf16" if "exact" in flags else "int8"
 
 
 def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -149,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     outputs: dict[str, list[list[int]]] = {}
     timings: dict[str, float] = {}
+    from stages.linear import GRID_ACTIVATIONS_ENV
+
     for name in [args.reference, *args.candidates]:
-        dtype, quantization = split_config(name)
+        dtype, quantization, activations = split_config(name)
+        os.environ[GRID_ACTIVATIONS_ENV] = activations  # read as the stage loads
         resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
         runner = StageRunner(
             model_dir,
@@ -165,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         begin = time.perf_counter()
         outputs[name] = greedy(runner, prompts, args.new_tokens)
         timings[name] = time.perf_counter() - begin
-        print(f"  {name} ({resolved}, weights {quantization}): {timings[name]:.1f} s", flush=True)
+        print(
+            f"  {name} ({resolved}, weights {quantization}, grid activations {activations}): "
+            f"{timings[name]:.1f} s",
+            flush=True,
+        )
         del runner
     reference = outputs[args.reference]
     result: dict[str, Any] = {

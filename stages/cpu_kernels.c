@@ -1,7 +1,10 @@
 /* ppring's CPU kernels: attention that reads the paged KV cache in place, fp32 matmuls over
  * weights packed in panels, the matrix-vector products of weight-only int8, bf16 matmuls over
- * packed weights (vdpbf16ps, where the CPU has AVX512_BF16), and a layer's small ops. Each has a
- * portable C path; AVX2 and AVX-512 paths where -march=native enables them.
+ * packed weights (vdpbf16ps, where the CPU has AVX512_BF16) or over GGUF codes (those and, by
+ * default, vpdpbusd over int8-quantized rows, where it has AVX512_VNNI too), and a layer's small
+ * ops. The fp32, int8 and small ops have a portable C path; AVX2 and AVX-512 paths where
+ * -march=native enables them. The bf16 ones exist only with their instructions (elsewhere a
+ * bf16 stage multiplies with torch).
  *
  * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes with the data pointers of contiguous tensors; nothing here allocates a tensor or holds a
@@ -1905,17 +1908,24 @@ void ppr_pack_bf16(const uint16_t *w, uint16_t *panels, int N, int K) {
  * 15.8 -> 14.4. (Over grid codes, fetching into L2 changed nothing: 4.3 / 8.0 / 15.3 ms.) */
 #define PB_FETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
-/* rows [0, MR) of y, panels p0, p0 + 1 (np): the fp32 sums, each rounded to bf16 once */
+/* channels [16 p, 16 p + 16) of one row of y: 16 fp32 sums, each rounded to bf16 once (those
+ * past N left alone) */
+static inline __attribute__((always_inline)) void bf16_store16(uint16_t *y_row, int N, int p,
+                                                               __m512 sums) {
+    const int n0 = 16 * p;
+    const __mmask16 keep = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+    _mm256_mask_storeu_epi16(y_row + n0, keep, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+/* rows [0, MR) of y, panels p0, p0 + 1 (np). Each store names its panel as a constant: indexed
+ * by np, the sums had to live in memory and the micro-kernels spilled them (the a8 kernel
+ * below ran 25-45% slower that way). */
 static inline __attribute__((always_inline)) void pb_store(const int MR, __m512 (*acc)[2],
                                                            uint16_t *y, int N, int p0, int np) {
-    for (int m = 0; m < MR; m++)
-        for (int q = 0; q < np; q++) {
-            const int n0 = 16 * (p0 + q);
-            const __mmask16 keep =
-                N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
-            _mm256_mask_storeu_epi16(y + (int64_t)m * N + n0, keep,
-                                     (__m256i)_mm512_cvtneps_pbh(acc[m][q]));
-        }
+    for (int m = 0; m < MR; m++) {
+        bf16_store16(y + (int64_t)m * N, N, p0, acc[m][0]);
+        if (np > 1) bf16_store16(y + (int64_t)m * N, N, p0 + 1, acc[m][1]);
+    }
 }
 
 /* y rows [0, MR) x panels p0, p0 + 1 (np of them: 1 or 2), whose packed pairs start at `unit`
@@ -2204,6 +2214,189 @@ int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint
 #endif
 }
 
+/* ---- grid codes x int8 activations (vpdpbusd) ----
+ *
+ * What llama.cpp does for its Q4_1 and Q8_0 matmuls on a CPU: each row of x is quantized to int8
+ * per block of 32 (dx = max |x| / 127, xq = round(x / dx)), and the codes multiply it in
+ * integers, 64 products a vpdpbusd, summed exactly in int32 per block; the block's sum is then
+ * scaled in fp32. For Q4_1, w = d q + m:
+ *   sum_k w_k x_k ~ sum_blocks (d dx) * sum(q xq) + m * sum(x)
+ * (sum(x) the block's exact fp32 sum of x, so the offset term carries no quantization); for
+ * Q8_0, w = d q, the codes are stored as q + 128 (vpdpbusd takes one operand unsigned) and
+ * 128 sum(xq) is taken back off the integer sum, which leaves sum(q xq) exactly. Each y is
+ * rounded to bf16 once. Unlike ppr_linear_grid_bf16 the results are not bit for bit those of
+ * the bf16 panels (x loses bits to the int8 grid), but a row's result still depends on that row
+ * alone, whatever it is batched with, and the work per weight is a quarter: one vpdpbusd per 64
+ * products where the bf16 decode spends eight vector operations per 32 weights before its
+ * vdpbf16ps. All of SmolLM2's matmuls, 2 threads, Zen 4 EPYC, random codes of the same shapes,
+ * 9 alternated rounds, medians, against ppr_linear_bf16 over bf16 panels: 1 row 3.7 / 8.9 ms
+ * (codes at ~26 GB/s), 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88; one thread,
+ * 16 rows, 21.2 / 23.5.
+ *
+ * Layout, per panel of 16 output channels (P panels, K a multiple of 32), lanes = channels:
+ *   codes  Q4_1 [P, K / 8, 64] bytes: byte 4 c + j of group g = q[16p + c][8g + j]
+ *                                                             | q[16p + c][8g + 4 + j] << 4
+ *          Q8_0 [P, K / 4, 64] bytes: byte 4 c + j of group g = q[16p + c][4g + j] + 128
+ *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), as GridPairs */
+#if defined(HAVE_BF16_DOT) && defined(__AVX512VNNI__)
+#define HAVE_A8_DOT
+#define A8_MR 4 /* rows per micro-kernel call: 4 x 2 panels x (int32 + fp32 sums) = 16 registers */
+
+/* one row of x [K] bf16 -> xq [K] int8 and, per block of 32, dx, sum(x) and sum(xq) */
+static void a8_quantize_row(const uint16_t *x, int K, int8_t *xq, float *dx, float *sx,
+                            int32_t *sq) {
+    for (int b = 0; b < K / GRID_BLOCK; b++) {
+        const __m512i raw = _mm512_loadu_si512(x + (int64_t)b * GRID_BLOCK); /* 32 bf16 */
+        const __m512 lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        const __m512 hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)); /* nearest even */
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        _mm_storeu_si128((__m128i *)(xq + (int64_t)b * GRID_BLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + (int64_t)b * GRID_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        sq[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        dx[b] = amax / 127.0f;
+    }
+}
+
+/* Rows [0, MR) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). */
+static inline __attribute__((always_inline)) void a8_micro(
+    const int MR, int bits, const int8_t *xq, const float *dx, const float *sx, const int32_t *sq,
+    const uint8_t *c0, const uint8_t *c1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, uint16_t *y, int N, int K, int p0, int np) {
+    const int KB = K / GRID_BLOCK;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 f[A8_MR][2];
+    for (int m = 0; m < MR; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        __m512i a[A8_MR][2];
+        for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int o = 0; o < 4; o++) { /* group g holds 8 k */
+                const int g = 4 * kb + o;
+                const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
+                const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
+                const __m512i l0 = _mm512_and_si512(v0, nibble);
+                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+                const __m512i l1 = _mm512_and_si512(v1, nibble);
+                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+                for (int m = 0; m < MR; m++) {
+                    int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
+                    memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
+                    memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
+                    const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
+                    a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), h0, B);
+                    a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), h1, B);
+                }
+            }
+        } else {
+            for (int o = 0; o < 8; o++) { /* group g holds 4 k */
+                const int g = 8 * kb + o;
+                const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
+                const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
+                for (int m = 0; m < MR; m++) {
+                    int32_t xa;
+                    memcpy(&xa, xq + (int64_t)m * K + 4 * g, 4);
+                    const __m512i A = _mm512_set1_epi32(xa);
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, A);
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, A);
+                }
+            }
+        }
+        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d0 + kb * PANEL)));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d1 + kb * PANEL)));
+        if (bits == 4) {
+            const __m512 o0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m0 + kb * PANEL)));
+            const __m512 o1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m1 + kb * PANEL)));
+            for (int m = 0; m < MR; m++) {
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]), rsx = _mm512_set1_ps(sx[m * KB + kb]);
+                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
+                                          _mm512_fmadd_ps(o0, rsx, f[m][0]));
+                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
+                                          _mm512_fmadd_ps(o1, rsx, f[m][1]));
+            }
+        } else {
+            for (int m = 0; m < MR; m++) {
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                const __m512i bias = _mm512_set1_epi32(128 * sq[m * KB + kb]);
+                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][0], bias)),
+                                          _mm512_mul_ps(s0, rdx), f[m][0]);
+                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][1], bias)),
+                                          _mm512_mul_ps(s1, rdx), f[m][1]);
+            }
+        }
+    }
+    pb_store(MR, f, y, N, p0, np);
+}
+#endif
+
+/* 1 where this build has ppr_linear_grid_a8 (AVX512_BF16 and AVX512_VNNI) */
+int ppr_has_a8_dot(void) {
+#ifdef HAVE_A8_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y[M, N] bf16 = x[M, K] bf16 @ W[N, K]^T for W held as grid codes in the layout above (bits 4
+ * or 8), x quantized to int8 per block of 32 first. Threads share the rows' quantization, then
+ * the units of two panels (each unit's rows A8_MR at a time, its codes reused from cache).
+ * Returns -1 without AVX512_BF16 and VNNI, for a K that is not a multiple of 32, or if the
+ * quantized rows could not be allocated. */
+int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
+                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+#ifdef HAVE_A8_DOT
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8) || (bits == 4 && !offset)) return -1;
+    if (M <= 0) return 0;
+    const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
+    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
+    int8_t *xq = malloc((size_t)M * K);
+    float *dx = malloc((size_t)M * KB * sizeof(float)), *sx = malloc((size_t)M * KB * sizeof(float));
+    int32_t *sq = malloc((size_t)M * KB * sizeof(int32_t));
+    const int ok = xq && dx && sx && sq;
+    if (ok) {
+#pragma omp parallel
+        {
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++)
+                a8_quantize_row(x + (int64_t)r * K, K, xq + (int64_t)r * K, dx + (int64_t)r * KB,
+                                sx + (int64_t)r * KB, sq + (int64_t)r * KB);
+#pragma omp for schedule(guided, 2)
+            for (int u = 0; u < num_units; u++) {
+                const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
+                const uint8_t *c0 = codes + p0 * panel_codes, *c1 = np > 1 ? c0 + panel_codes : c0;
+                const uint16_t *d0 = scale + p0 * panel_scales, *d1 = np > 1 ? d0 + panel_scales : d0;
+                const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
+                const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
+                for (int r = 0; r < M; r += A8_MR) {
+                    const int8_t *xr = xq + (int64_t)r * K;
+                    const float *dr = dx + (int64_t)r * KB, *sr = sx + (int64_t)r * KB;
+                    const int32_t *qr = sq + (int64_t)r * KB;
+                    uint16_t *yr = y + (int64_t)r * N;
+                    switch (M - r < A8_MR ? M - r : A8_MR) {
+                    case 1: a8_micro(1, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
+                    case 2: a8_micro(2, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
+                    case 3: a8_micro(3, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
+                    default: a8_micro(4, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
+                    }
+                }
+            }
+        }
+    }
+    free(xq), free(dx), free(sx), free(sq);
+    return ok ? 0 : -1;
+#else
+    (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,
+        (void)bits;
+    return -1;
+#endif
+}
+
 /* ---- A whole decoder layer in one call ----------------------------------------------------
  * The same kernels, in the same order, on the same buffers as stages/llama.py's DecoderLayer
  * calls them one by one from Python, so the results are bit for bit the same; what goes is
@@ -2211,10 +2404,10 @@ int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint
  * ~70 us a layer, most of a single stream's step after its matmuls). stages/fused_layer.py
  * fills these structs once at load and calls ppr_decoder_layer once per layer per step. */
 
-enum { PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5 };
+enum { PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6 };
 
-/* One weight matrix [N, K] as its module holds it. f32, bf16: a = panels; grid: a = codes,
- * b = scale, c = offset (NULL for Q8_0); int8: a = the weight, b = its fp32 scales. */
+/* One weight matrix [N, K] as its module holds it. f32, bf16: a = panels; grid (and grid a8):
+ * a = codes, b = scale, c = offset (NULL for Q8_0); int8: a = the weight, b = its fp32 scales. */
 typedef struct {
     int32_t kind, n, k, bits;
     const void *a, *b, *c;
@@ -2265,6 +2458,9 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
     case PPR_INT8:
         ppr_linear_int8(elem_bytes, x, w->a, w->b, y, M, w->n, w->k);
         return 0;
+    case PPR_GRID_A8:
+        return elem_bytes == 2 ? ppr_linear_grid_a8(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits)
+                               : -1;
     }
     return -1;
 }

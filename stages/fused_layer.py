@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from stages.linear import CpuBf16Linear, CpuLinear, GridBf16Linear, GridLinear, Int8Linear
+from stages.linear import (
+    CpuBf16Linear,
+    CpuLinear,
+    GridA8Linear,
+    GridBf16Linear,
+    GridLinear,
+    Int8Linear,
+)
 from stages.native import _ELEM_BYTES, NativeKernels, _grid_pointers
 
 if TYPE_CHECKING:
@@ -33,7 +40,7 @@ if TYPE_CHECKING:
 DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel
 
 # cpu_kernels.c's enum of matrix kinds
-_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8 = 1, 2, 3, 4, 5
+_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8 = 1, 2, 3, 4, 5, 6
 
 
 class _Linear(ctypes.Structure):
@@ -102,6 +109,7 @@ _KINDS = {
     (GridLinear, torch.float32): _GRID_F32,
     (CpuBf16Linear, torch.bfloat16): _BF16,
     (GridBf16Linear, torch.bfloat16): _GRID_BF16,
+    (GridA8Linear, torch.bfloat16): _GRID_A8,
 }
 
 

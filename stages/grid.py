@@ -14,10 +14,11 @@ own decoding of the codes against the weight bit for bit before it uses them
 (stages/linear.py). Anything else, random test weights included, stays fp32.
 
 The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them:
-`GridCodes` for the fp32 kernel (ppr_linear_grid documents the layout), `GridPairs` for the bf16
-one (ppr_linear_grid_bf16), whose decoded weights are the fp32 ones rounded to bf16 (a bf16 stage
-holds the bf16 panels as well and reads them for more than a few rows: stages/linear.py).
-`PPRING_GRID_WEIGHTS=0` turns both off.
+`GridCodes` for the fp32 kernel (ppr_linear_grid documents the layout); for a bf16 stage,
+`GridQuads` for the kernel that multiplies them by int8-quantized rows (ppr_linear_grid_a8, the
+default) and `GridPairs` for the one that decodes them into the fp32 weights rounded to bf16
+(ppr_linear_grid_bf16; a stage holds the bf16 panels as well then, and reads them for more than a
+few rows: stages/linear.py). `PPRING_GRID_WEIGHTS=0` turns them all off.
 """
 
 from __future__ import annotations
@@ -123,6 +124,26 @@ class GridPairs(_Codes):
         return torch.int8, (panels, k // 2, 2 * PANEL)
 
 
+@dataclass(frozen=True)
+class GridQuads(_Codes):
+    """In the layout of cpu_kernels.c's int8-activation grid matmul (ppr_linear_grid_a8): per
+    panel of 16 channels, groups of 64 bytes, byte 4 c + j for channel c, so that vpdpbusd sums
+    four products per channel lane. uint8 [P, K / 8, 64] (4 bits: a group holds 8 k, k 0-3 in
+    the low nibbles, 4-7 in the high ones) or [P, K / 4, 64] (8 bits: q + 128); d and m as the
+    fp16 numbers they are."""
+
+    WHAT: ClassVar[str] = "grid quads"
+    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float16
+    K_PER_ROW: ClassVar[int] = 8  # 4 bits; 8 bits: 4 (in_features)
+
+    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        return torch.uint8, (panels, k // (8 if self.bits == 4 else 4), 4 * PANEL)
+
+    @property
+    def in_features(self) -> int:
+        return (8 if self.bits == 4 else 4) * self.codes.shape[1]  # K
+
+
 def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
 
@@ -221,6 +242,45 @@ def rows_of(grid: GridCodes, ids: torch.Tensor) -> torch.Tensor:
     rows = torch.mul(q, d)
     if grid.offset is not None:
         rows = torch.add(rows, grid.offset[p, :, j].repeat_interleave(BLOCK, dim=1))
+    return rows
+
+
+def pack_quads(found: Found, out_features: int) -> GridQuads:
+    """The codes in the int8-activation kernel's layout (GridQuads; cpu_kernels.c documents
+    it)."""
+    q, (n, k) = found.q, found.q.shape
+    rows = -(-out_features // PANEL) * PANEL
+    padded = torch.zeros((rows, k), dtype=torch.int16)  # zero codes (and d = 0) past N
+    padded[:n] = q
+    if found.bits == 4:
+        # [P, 16 channels, K / 8 groups, 2 halves, 4] -> [P, K / 8, 16, 4]: low | high << 4
+        groups = padded.reshape(rows // PANEL, PANEL, k // 8, 2, 4).permute(0, 2, 1, 3, 4)
+        codes = groups[:, :, :, 0] | (groups[:, :, :, 1] << 4)
+    else:
+        # [P, 16 channels, K / 4 groups, 4] -> [P, K / 4, 16, 4], stored as q + 128 (unsigned)
+        codes = padded.reshape(rows // PANEL, PANEL, k // 4, 4).permute(0, 2, 1, 3) + 128
+    codes = codes.reshape(rows // PANEL, codes.shape[1], 4 * PANEL).to(torch.uint8)
+    scale = _panels(found.d, rows).to(torch.float16)  # exact: each d is an fp16 number
+    offset = None if found.m is None else _panels(found.m, rows).to(torch.float16)
+    return GridQuads(found.bits, codes.contiguous(), scale, offset, out_features)
+
+
+def quad_rows(quads: GridQuads, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the weight, [T, K] fp32, decoded from the codes as the checkpoint's
+    converter computed them (d * q, then + m: two roundings, never one FMA), so exactly the
+    checkpoint's values. Serves a tied embedding lookup, and the check at load."""
+    p, c = ids // PANEL, ids % PANEL
+    k = quads.in_features
+    group = quads.codes.reshape(quads.codes.shape[0], quads.codes.shape[1], PANEL, 4)
+    byte = group[p, :, c].to(torch.int32)  # [T, groups, 4]
+    if quads.bits == 4:
+        q = torch.stack((byte & 15, byte >> 4), dim=2)  # [T, K / 8, 2, 4]: k 0-3, then 4-7
+    else:
+        q = byte - 128
+    q = q.reshape(ids.shape[0], k).to(torch.float32)
+    rows = torch.mul(q, quads.scale[p, :, c].float().repeat_interleave(BLOCK, dim=1))
+    if quads.offset is not None:
+        rows = torch.add(rows, quads.offset[p, :, c].float().repeat_interleave(BLOCK, dim=1))
     return rows
 
 

@@ -20,14 +20,22 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 - `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): the weight packed for
   vdpbf16ps and multiplied by `cpu_kernels.c` at every row count (faster than oneDNN at each,
   and a row's result does not depend on what it is batched with).
-- `GridBf16Linear` (CPU, bf16, AVX512_BF16): a weight whose checkpoint values lie on a GGUF
-  grid, held as its codes, decoded pair by pair into the same bf16 CpuBf16Linear would hold,
-  and as CpuBf16Linear's panels too: the same results either way, so each call reads whichever
-  is faster for its rows (`code_rows`). The codes read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a
-  weight instead of 2: all of SmolLM2's matmuls, 2 threads, on a Zen 4 EPYC (alternated), 1
-  row 12.6-13.1 -> 6.7-7.4 ms; but decoding costs compute where vdpbf16ps is the bound, and
-  from 6 rows (2 threads; 10 on one) the panels are faster (32 rows 26.0 ms against 28.3). A
-  bf16 stage loads its matrices in fp32 for the search (`source_dtype`).
+- `GridBf16Linear` (CPU, bf16, AVX512_BF16; `PPRING_GRID_ACTIVATIONS=bf16`, or a CPU without
+  VNNI): a weight whose checkpoint values lie on a GGUF grid, held as its codes, decoded pair by
+  pair into the same bf16 CpuBf16Linear would hold, and as CpuBf16Linear's panels too: the same
+  results either way, so each call reads whichever is faster for its rows (`code_rows`). The
+  codes read 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2: all of SmolLM2's matmuls,
+  2 threads, on a Zen 4 EPYC (alternated), 1 row 12.6-13.1 -> 6.7-7.4 ms; but decoding costs
+  compute where vdpbf16ps is the bound, and from 6 rows (2 threads; 10 on one) the panels are
+  faster (32 rows 26.0 ms against 28.3). A bf16 stage loads its matrices in fp32 for the search
+  (`source_dtype`).
+- `GridA8Linear` (CPU, bf16, AVX512_BF16 and AVX512_VNNI; the default for a weight on a GGUF
+  grid): the codes alone, times each row of x quantized to int8 per block of 32, summed in
+  integers (cpu_kernels.c ppr_linear_grid_a8), as llama.cpp multiplies Q4_1 and Q8_0. All of
+  SmolLM2's matmuls, 2 threads, Zen 4 EPYC, 9 alternated rounds, medians, ms, against the bf16
+  panels: 1 row 3.7 / 8.9, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88 (one
+  thread, 16 rows, 21.2 / 23.5). Not the panels' results bit for bit (x keeps ~8 bits a block;
+  README gives what that does to perplexity), but a row's result depends on that row alone.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -44,7 +52,7 @@ from torch import nn
 
 from stages import grid
 from stages.errors import ConfigError
-from stages.grid import GridCodes, GridPairs, rows_of
+from stages.grid import GridCodes, GridPairs, GridQuads, quad_rows, rows_of
 from stages.native import PANEL, NativeKernels
 
 QUANTIZATIONS = ("none", "int8")
@@ -253,13 +261,18 @@ class GridBf16Linear(_HeldAsCodes):
         return held - self.bytes_read(rows)
 
 
+def _found_codes(weight: torch.Tensor, kernels: NativeKernels) -> grid.Found | None:
+    """The grid codes of a bf16 stage's matrix loaded in fp32 (the checkpoint's values), or
+    None: codes turned off, a weight already rounded (bf16), or one off every grid."""
+    if not grid.enabled() or weight.dtype != torch.float32:
+        return None
+    return grid.find_codes(weight.detach(), kernels)
+
+
 def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Linear | None:
     """GridBf16Linear for `weight` [N, K] (fp32, the checkpoint's values) if it lies on a grid
     and the kernel decodes its codes to exactly weight's bf16 panels, bit for bit (else None)."""
-    if not grid.enabled() or weight.dtype != torch.float32:
-        return None
-    weight = weight.detach()
-    found = grid.find_codes(weight, kernels)
+    found = _found_codes(weight, kernels)
     if found is None:
         return None
     pairs = grid.pack_pairs(found, weight.shape[0])
@@ -267,6 +280,60 @@ def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Li
     if not torch.equal(kernels.unpack_grid_bf16(pairs), panels):
         return None
     return GridBf16Linear(pairs, kernels, panels, code_rows_for(torch.get_num_threads()))
+
+
+class GridA8Linear(_HeldAsCodes):
+    """A bf16 weight whose fp32 source lies on a GGUF grid, held as its codes alone and
+    multiplied as llama.cpp multiplies them: each row of x quantized to int8 per block of 32,
+    the codes times it summed in integers (cpu_kernels.c ppr_linear_grid_a8). A quarter of
+    GridBf16Linear's work per weight at every row count, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes
+    a weight, and no bf16 panels held: all of SmolLM2's matmuls, 2 threads, Zen 4 EPYC (random
+    codes of its shapes against the bf16 panels, 9 alternated rounds, medians): 1 row 3.7 /
+    8.9 ms, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88. The
+    results are not bit for bit the bf16 panels' (x loses bits to its int8 grid; README gives
+    the perplexity), but a row's result still depends on that row alone.
+    `PPRING_GRID_ACTIVATIONS=bf16` keeps GridBf16Linear instead."""
+
+    grid: GridQuads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear_grid_a8(x, self.grid)  # [T, K] -> [T, N]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
+        checkpoint's values rounded to bf16, as CpuBf16Linear would hold them."""
+        return quad_rows(self.grid, ids).to(torch.bfloat16)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The bf16 weight [N, K] the codes stand for (for tools that compare with F.linear)."""
+        return self.rows(torch.arange(self.out_features))
+
+
+GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"  # "int8" (the default) or "bf16"
+
+
+def grid_activations() -> str:
+    """How a bf16 stage multiplies weights held as grid codes: "int8" (GridA8Linear) or "bf16"
+    (GridBf16Linear: the codes decoded to bf16, the same results as the bf16 panels)."""
+    value = os.environ.get(GRID_ACTIVATIONS_ENV, "int8").strip().lower()
+    if value not in ("int8", "bf16"):
+        raise ConfigError(
+            f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8 (codes times int8 "
+            "activations, the default) or bf16 (codes decoded to bf16)"
+        )
+    return value
+
+
+def grid_a8_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridA8Linear | None:
+    """GridA8Linear for `weight` [N, K] (fp32, the checkpoint's values) if it lies on a grid
+    and its codes decode back to exactly the weight (else None)."""
+    found = _found_codes(weight, kernels)
+    if found is None:
+        return None
+    quads = grid.pack_quads(found, weight.shape[0])
+    if not torch.equal(quad_rows(quads, torch.arange(weight.shape[0])), weight):
+        return None
+    return GridA8Linear(quads, kernels)
 
 
 class Int8Linear(nn.Module):
@@ -311,6 +378,10 @@ def make_linear(
     if on_cpu and dtype == torch.float32:
         return grid_linear(weight, kernels) or CpuLinear(weight, kernels)
     if on_cpu and dtype == torch.bfloat16 and kernels.bf16_dot:
+        if kernels.a8_dot and grid_activations() == "int8":
+            found = grid_a8_linear(weight, kernels)
+            if found is not None:
+                return found
         return grid_bf16_linear(weight, kernels) or CpuBf16Linear(
             weight.to(torch.bfloat16), kernels
         )

@@ -32,7 +32,7 @@ import torch
 
 from stages.batch import BLOCK_SIZE
 from stages.grid import BLOCK as GRID_BLOCK
-from stages.grid import GridCodes, GridPairs
+from stages.grid import GridCodes, GridPairs, GridQuads
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,11 @@ class NativeKernels:
         lib.ppr_linear_grid_bf16.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_unpack_grid_bf16.restype = ctypes.c_int
         lib.ppr_unpack_grid_bf16.argtypes = [_vp] * 4 + [ctypes.c_int] * 3
+        lib.ppr_has_a8_dot.restype = ctypes.c_int
+        # vpdpbusd as well: grid codes multiply int8-quantized activations (ppr_linear_grid_a8)
+        self.a8_dot = bool(lib.ppr_has_a8_dot())
+        lib.ppr_linear_grid_a8.restype = ctypes.c_int
+        lib.ppr_linear_grid_a8.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_add_rms_norm.restype = None
         lib.ppr_add_rms_norm.argtypes = (
             [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -359,21 +364,27 @@ class NativeKernels:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the bf16 layout
         (stages/grid.py GridPairs): the same result as linear_bf16 over W's bf16 panels. Only
         where `bf16_dot`."""
+        return self._bf16_over_codes(
+            self._lib.ppr_linear_grid_bf16, "linear_grid_bf16", x, pairs,
+            "kernels without AVX512_BF16, or no memory for a buffer",
+        )  # fmt: skip
+
+    def _bf16_over_codes(
+        self, kernel, name: str, x: torch.Tensor, grid: GridPairs | GridQuads, refused: str
+    ) -> torch.Tensor:
+        """x [M, K] bf16 @ W^T -> [M, N] bf16 through `kernel`, for W held as `grid`."""
         x = x.contiguous()
         m, k = x.shape
-        if k != pairs.in_features:  # the codes themselves were checked when they were made
-            raise ValueError(f"grid pairs do not fit K = {k} and N = {pairs.out_features}")
+        if k != grid.in_features:  # the codes themselves were checked when they were made
+            raise ValueError(f"{grid.WHAT} do not fit K = {k} and N = {grid.out_features}")
         if x.dtype is not torch.bfloat16:
-            raise ValueError(f"linear_grid_bf16 takes bfloat16 x, got {x.dtype}")
-        y = torch.empty(m, pairs.out_features, dtype=torch.bfloat16)
-        status = self._lib.ppr_linear_grid_bf16(
-            x.data_ptr(), *_grid_pointers(pairs), y.data_ptr(), m, pairs.out_features, k,
-            pairs.bits,
-        )  # fmt: skip
+            raise ValueError(f"{name} takes bfloat16 x, got {x.dtype}")
+        y = torch.empty(m, grid.out_features, dtype=torch.bfloat16)
+        status = kernel(
+            x.data_ptr(), *_grid_pointers(grid), y.data_ptr(), m, grid.out_features, k, grid.bits
+        )
         if status != 0:
-            raise RuntimeError(
-                "linear_grid_bf16 failed: kernels without AVX512_BF16, or no memory for a buffer"
-            )
+            raise RuntimeError(f"{name} failed: {refused}")
         return y
 
     def unpack_grid_bf16(self, pairs: GridPairs) -> torch.Tensor:
@@ -386,6 +397,15 @@ class NativeKernels:
         ):
             raise RuntimeError("these kernels were built without AVX512_BF16")
         return panels
+
+    def linear_grid_a8(self, x: torch.Tensor, quads: GridQuads) -> torch.Tensor:
+        """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the int8-activation
+        layout (stages/grid.py GridQuads): each row of x quantized to int8 per block of 32, the
+        products summed in integers (cpu_kernels.c ppr_linear_grid_a8). Only where `a8_dot`."""
+        return self._bf16_over_codes(
+            self._lib.ppr_linear_grid_a8, "linear_grid_a8", x, quads,
+            "kernels without AVX512_BF16 and VNNI, or no memory",
+        )  # fmt: skip
 
     def add_rms_norm(
         self,
@@ -512,7 +532,7 @@ class NativeKernels:
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
 
-def _grid_pointers(grid: GridCodes | GridPairs) -> tuple[int, int, int | None]:
+def _grid_pointers(grid: GridCodes | GridPairs | GridQuads) -> tuple[int, int, int | None]:
     """codes, scale and offset (None for Q8_0) of `grid`, as the kernels take them."""
     offset = None if grid.offset is None else grid.offset.data_ptr()
     return grid.codes.data_ptr(), grid.scale.data_ptr(), offset

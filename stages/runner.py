@@ -31,8 +31,10 @@ from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs, on_device
 from stages.kv_cache import KVCache, num_blocks_for_budget
 from stages.linear import (
+    GRID_ACTIVATIONS_ENV,
     CpuBf16Linear,
     CpuLinear,
+    GridA8Linear,
     GridBf16Linear,
     GridLinear,
     check_quantization,
@@ -588,8 +590,9 @@ def _plain_greedy(params: SamplingParams) -> bool:
 def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     """How a CPU stage holds its fp32 or bf16 matrices, for the start-up log."""
     name = "fp32" if dtype == torch.float32 else "bf16"
-    grids = [m.grid.name for m in model.modules() if isinstance(m, (GridLinear, GridBf16Linear))]
-    kinds = (GridLinear, CpuLinear, GridBf16Linear, CpuBf16Linear)
+    coded = (GridLinear, GridBf16Linear, GridA8Linear)
+    grids = [m.grid.name for m in model.modules() if isinstance(m, coded)]
+    kinds = (CpuLinear, CpuBf16Linear, *coded)
     total = sum(isinstance(m, kinds) for m in model.modules())
     if not total:
         return f"{name}, multiplied by torch"
@@ -599,6 +602,11 @@ def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     rest = "" if len(grids) == total else ", the rest packed in panels"
     both = [m.code_rows for m in model.modules() if isinstance(m, GridBf16Linear)]
     also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
+    if any(isinstance(m, GridA8Linear) for m in model.modules()):
+        also = (
+            ", multiplied by int8 activations (per 32, as llama.cpp does; "
+            f"{GRID_ACTIVATIONS_ENV}=bf16 for the bf16 panels' results)"
+        )
     return (
         f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts})"
         f"{also}{rest}"

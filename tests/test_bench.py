@@ -211,3 +211,16 @@ def test_a_closed_loop_runs_every_request_asked_for_and_a_few_per_place_by_defau
     # not asked: the first max(2C, min) of the default workload
     assert len(serve_bench._closed_subset(workload, 1, 6).requests) == 6
     assert len(serve_bench._closed_subset(workload, 32, 6).requests) == 64
+
+
+def test_agreement_configurations_name_dtype_weights_and_grid_activations():
+    from bench.agreement import split_config
+
+    assert split_config("float32") == ("float32", "none", "int8")
+    assert split_config("int8") == ("auto", "int8", "int8")
+    assert split_config("bfloat16+int8") == ("bfloat16", "int8", "int8")
+    assert split_config("bfloat16+exact") == ("bfloat16", "none", "bf16")
+    assert split_config("exact+bfloat16") == ("bfloat16", "none", "bf16")
+    for bad in ("float16", "bfloat16+float32", "bfloat16+exact+exact", "int4"):
+        with pytest.raises(ValueError, match="not a configuration"):
+            split_config(bad)

@@ -135,11 +135,13 @@ def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
     model_dir: Path, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the kernels multiply bf16 themselves, a bf16 stage holds every matrix of the
-    default model (Q4_1 layers, a Q8_0 embedding) as its codes too: a few rows read under half
-    the bytes, and the logits equal the bf16 panels' bit for bit, at PP = 2 (the tied lm_head
-    split off)."""
+    default model (Q4_1 layers, a Q8_0 embedding) as its codes, at PP = 2 (the tied lm_head
+    split off). Decoded to bf16 (PPRING_GRID_ACTIVATIONS=bf16), a few rows read under half the
+    bytes and the logits equal the bf16 panels' bit for bit; times int8 activations (the
+    default, where the CPU has VNNI too), every call reads the codes alone and the logits stay
+    near the panels'."""
     from stages import grid, linear, native
-    from stages.linear import CpuBf16Linear, GridBf16Linear
+    from stages.linear import CpuBf16Linear, GridA8Linear, GridBf16Linear
 
     kernels = native.kernels()
     if kernels is None or not kernels.bf16_dot:
@@ -157,10 +159,26 @@ def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
         return drive_teacher_forced(chain, seqs, starts, chunk_size=4, stagger=1), one_row
 
     # the codes up to code_rows rows (the prefill chunks and decodes here), panels above
+    monkeypatch.setenv(linear.GRID_ACTIVATIONS_ENV, "bf16")
     monkeypatch.setenv(linear.CODE_ROWS_ENV, "3")
     coded, coded_bytes = run(GridBf16Linear)
+    # the default where the CPU has VNNI too: the codes alone, times int8 activations
+    monkeypatch.delenv(linear.GRID_ACTIVATIONS_ENV)
+    a8, a8_bytes = run(GridA8Linear) if kernels.a8_dot else (None, 0)
     monkeypatch.setenv(grid.DISABLE_ENV, "0")
     plain, plain_bytes = run(CpuBf16Linear)
     assert coded_bytes < plain_bytes * 0.5  # (the first stage keeps a bf16 embedding)
     for a, b in zip(coded, plain):
         assert torch.equal(a, b)
+    if a8 is None:
+        return
+    # the same codes in another order, and near the panels' logits: the int8 grid of x moves
+    # them by 8% of their norm (median over rows; up to ~50% where the top logits are close),
+    # against 2% between the panels and fp32, and keeps the next token on most rows (42 of 48
+    # on a Zen 4 EPYC); a wrong kernel moves them by their whole norm
+    assert a8_bytes == coded_bytes
+    drift = torch.cat([(a.float() - b.float()).norm(dim=-1) / b.float().norm(dim=-1)
+                       for a, b in zip(a8, plain)])  # fmt: skip
+    same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(a8, plain))
+    assert drift.median() < 0.15 and drift.max() < 0.7, drift
+    assert same >= 0.75 * drift.numel(), f"{same} of {drift.numel()} rows kept their argmax"

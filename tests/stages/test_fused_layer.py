@@ -1,7 +1,8 @@
 """A decoder layer as one kernel call (stages/fused_layer.py) computes bit for bit what the
 layer's nine kernel calls from Python compute: for every kind of matrix the kernels hold (fp32
-and bf16 panels, both on a GGUF grid, int8), for prefill chunks mixed with decodes, and on a
-later stage, whose first layer reads a received frame."""
+and bf16 panels, both on a GGUF grid, bf16 grid codes times int8 activations, int8), for
+prefill chunks mixed with decodes, and on a later stage, whose first layer reads a received
+frame."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages import fused_layer, native
-from stages.linear import GridBf16Linear, GridLinear, Int8Linear
+from stages import linear as linear_module
+from stages.linear import GridA8Linear, GridBf16Linear, GridLinear, Int8Linear
 from tests.stages.conftest import Chain, drive_teacher_forced
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 from tests.tiny_llama import make_tiny_llama
@@ -67,18 +69,40 @@ def test_one_call_a_layer_computes_what_the_layer_calls_compute(
     quantization: str,
 ) -> None:
     needs_bf16_dot(dtype)
-    for folder in (tiny_dirs["gqa"], grid_dir):
-        fused = logits(folder, partition, dtype, quantization, fused=True)
-        layered = logits(folder, partition, dtype, quantization, fused=False)
+    # a bf16 grid stage's two ways: codes times int8 activations (the default), codes as bf16
+    runs = [(tiny_dirs["gqa"], None), (grid_dir, None)]
+    if dtype == "bfloat16" and quantization == "none":
+        runs.append((grid_dir, "bf16"))
+    for folder, activations in runs:
+        with pytest.MonkeyPatch.context() as patch:
+            if activations:
+                patch.setenv(linear_module.GRID_ACTIVATIONS_ENV, activations)
+            fused = logits(folder, partition, dtype, quantization, fused=True)
+            layered = logits(folder, partition, dtype, quantization, fused=False)
         for got, expected in zip(fused, layered, strict=True):
             assert torch.equal(got, expected)
             assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize(("dtype", "kind"), [("float32", GridLinear), ("bfloat16", GridBf16Linear)])
-def test_the_grid_model_is_held_as_codes(grid_dir: Path, dtype: str, kind: type) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "activations", "kind"),
+    [("float32", None, GridLinear), ("bfloat16", None, GridA8Linear),
+     ("bfloat16", "bf16", GridBf16Linear)],
+)  # fmt: skip
+def test_the_grid_model_is_held_as_codes(
+    grid_dir: Path,
+    dtype: str,
+    activations: str | None,
+    kind: type,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # what the test above relies on to cover the grid kernels
     needs_bf16_dot(dtype)
+    built = native.kernels()
+    if kind is GridA8Linear and not (built and built.a8_dot):
+        pytest.skip("no AVX512_VNNI here: bf16 grid codes are decoded to bf16")
+    if activations:
+        monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, activations)
     chain = Chain(grid_dir, [4], dtype=dtype)
     layer = chain.stages[0].model.layers[0]
     assert all(

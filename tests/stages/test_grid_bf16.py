@@ -1,7 +1,8 @@
-"""bf16 stages over weights on a GGUF grid (stages/grid.py GridPairs, cpu_kernels.c
-ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as codes and as bf16 panels,
-and multiplied to the very same bf16 results either way, at every row count; a call reads the
-codes up to `code_rows` rows, the panels above."""
+"""bf16 stages over weights on a GGUF grid with PPRING_GRID_ACTIVATIONS=bf16 (stages/grid.py
+GridPairs, cpu_kernels.c ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as
+codes and as bf16 panels, and multiplied to the very same bf16 results either way, at every row
+count; a call reads the codes up to `code_rows` rows, the panels above. (The default, codes
+times int8 activations, is tests/stages/test_grid_a8.py's.)"""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def kernels() -> native.NativeKernels:
     if not built.bf16_dot:
         pytest.skip("this CPU has no AVX512_BF16: bf16 stages multiply with torch")
     return built
+
+
+@pytest.fixture(autouse=True)
+def _bf16_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, "bf16")
 
 
 @pytest.mark.parametrize(("make", "bits"), [(q4_1_weight, 4), (q8_0_weight, 8)])

@@ -1,0 +1,132 @@
+"""bf16 stages over weights on a GGUF grid, the default way (stages/grid.py GridQuads,
+cpu_kernels.c ppr_linear_grid_a8): the codes alone, multiplied by each row of x quantized to
+int8 per block of 32, as llama.cpp does. The results are held to a reference that does the same
+arithmetic in float64 (integer sums exact, one bf16 rounding apart), to the exact product within
+the int8 grid's error, and a row's result to its own row, whatever it is batched with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages import grid, native
+from stages import linear as linear_module
+from stages.errors import ConfigError
+from stages.linear import GridA8Linear, GridBf16Linear, make_linear
+from tests.stages.test_grid import q4_1_weight, q8_0_weight
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels() -> native.NativeKernels:
+    built = native.kernels()
+    assert built is not None, native.unavailable_reason()
+    if not built.a8_dot:
+        pytest.skip("this CPU has no AVX512_BF16 and VNNI: grid codes are decoded to bf16")
+    return built
+
+
+@pytest.fixture(autouse=True)
+def _default_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(linear_module.GRID_ACTIVATIONS_ENV, raising=False)
+
+
+def reference(x: torch.Tensor, found: grid.Found) -> torch.Tensor:
+    """What the kernel computes, in float64: x [M, K] bf16 -> [M, N]. Per block of 32 of a row:
+    dx = max |x| / 127 and xq = round(x / dx) in fp32 (the division correctly rounded, ties to
+    even), sum(q xq) exact, then sum over blocks of (d dx) sum(q xq) + m sum(x)."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(dim=-1)  # [M, B]
+    # tensor / tensor: torch divides a scalar by a tensor through its reciprocal (one ulp off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(blocks * inv[..., None]).double()
+    dx = (amax / 127.0).double()
+    q = found.q.double().reshape(found.q.shape[0], k // 32, 32)
+    sums = torch.einsum("mbk,nbk->mnb", xq, q)  # [M, N, B], exact integers
+    y = (sums * found.d.double()[None] * dx[:, None]).sum(-1)
+    if found.m is not None:
+        y = y + (found.m.double()[None] * blocks.double().sum(-1)[:, None]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize(("make", "bits"), [(q4_1_weight, 4), (q8_0_weight, 8)])
+@pytest.mark.parametrize(("n", "k"), [(70, 64), (960, 576), (33, 1536), (16, 32)])
+def test_a_grid_weight_multiplies_as_llama_cpp_does(
+    kernels: native.NativeKernels, make, bits: int, n: int, k: int
+) -> None:
+    weight = make(n, k, seed=n + k)  # fp32, as the checkpoint holds it
+    linear = make_linear(weight, "none", kernels, BF16)
+    assert isinstance(linear, GridA8Linear) and linear.grid.bits == bits
+    assert torch.equal(linear.dense_weight(), weight.to(BF16))
+    found = grid.find_codes(weight, kernels)
+    assert found is not None
+    # 1-4 rows are one micro-kernel call; more are several, the last one short
+    for rows in (1, 2, 3, 4, 5, 9, 64):
+        x = torch.randn(rows, k).to(BF16)
+        x[0, :32] = 0  # a block of zeros: dx = 0, no division by it
+        got = linear(x).double()
+        expected = reference(x, found)
+        # one bf16 rounding of the fp32 result, plus the fp32 sums' own (far smaller)
+        bound = expected.abs() * 2**-8 + 1e-5 * expected.abs().amax()
+        assert ((got - expected).abs() <= bound).all(), f"{rows} rows"
+        # and close to the exact product: the int8 grid of x costs under a percent here
+        exact = x.double() @ weight.double().T
+        assert (got - exact).norm() <= 0.02 * exact.norm(), f"{rows} rows"
+    ids = torch.tensor([0, n - 1, 15, 16, 8, 7, 0, n // 2]) % n
+    assert torch.equal(linear.rows(ids), weight.to(BF16)[ids])  # a tied embedding's lookup
+    assert linear.rows(ids).dtype == BF16
+    assert linear.rows(ids[:0]).shape == (0, k)
+    # the codes alone: no bf16 panels held beside them
+    assert [name for name, _ in linear.named_buffers()] == [
+        "codes",
+        "scale",
+        *(["offset"] if bits == 4 else []),
+    ]
+    assert linear.grid.nbytes == grid.pack_pairs(found, n).nbytes
+
+
+def test_a_row_does_not_depend_on_its_batch(kernels: native.NativeKernels) -> None:
+    linear = make_linear(q4_1_weight(96, 576, seed=9), "none", kernels, BF16)
+    assert isinstance(linear, GridA8Linear)
+    x = torch.randn(40, 576).to(BF16)
+    whole = linear(x)
+    for lo, hi in ((0, 1), (3, 14), (7, 19), (20, 40), (39, 40)):
+        assert torch.equal(linear(x[lo:hi]), whole[lo:hi])
+
+
+def test_no_rows_multiply_to_an_empty_result(kernels: native.NativeKernels) -> None:
+    for make in (q4_1_weight, q8_0_weight):
+        linear = make_linear(make(40, 64, seed=4), "none", kernels, BF16)
+        assert isinstance(linear, GridA8Linear)
+        assert linear(torch.randn(0, 64).to(BF16)).shape == (0, 40)
+
+
+def test_the_activations_can_stay_bf16_and_a_bad_choice_is_one_error(
+    kernels: native.NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = q4_1_weight(32, 64, seed=2)
+    monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, "bf16")
+    assert isinstance(make_linear(weight, "none", kernels, BF16), GridBf16Linear)
+    monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, " INT8 ")
+    assert isinstance(make_linear(weight, "none", kernels, BF16), GridA8Linear)
+    for bad in ("int4", "", "fp8"):
+        monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, bad)
+        with pytest.raises(ConfigError, match="PPRING_GRID_ACTIVATIONS"):
+            make_linear(weight, "none", kernels, BF16)
+
+
+def test_linear_grid_a8_refuses_what_it_would_misread(kernels: native.NativeKernels) -> None:
+    found = grid.find_codes(q8_0_weight(32, 64, seed=3), kernels)
+    assert found is not None
+    quads = grid.pack_quads(found, 32)
+    assert quads.in_features == 64
+    with pytest.raises(ValueError, match="grid quads"):
+        kernels.linear_grid_a8(torch.randn(2, 96).to(BF16), quads)  # K = 96, codes for 64
+    with pytest.raises(ValueError, match="bfloat16 x"):
+        kernels.linear_grid_a8(torch.randn(2, 64), quads)
+    with pytest.raises(ValueError, match="grid quads"):  # a scale of the wrong dtype
+        grid.GridQuads(8, quads.codes, quads.scale.float(), None, 32)
+    with pytest.raises(ValueError, match="grid quads"):  # codes of another K
+        grid.GridQuads(8, quads.codes[:, :8].contiguous(), quads.scale, None, 32)
