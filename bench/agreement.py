@@ -2,6 +2,7 @@
 
     ppring bench agreement [--model DIR] [--reference bfloat16] [--candidates int8,float32]
                            [--prompts 20] [--new-tokens 256] [--prefix 32]
+                           [--text FILE [--windows 4] [--window-tokens 512]]
 
 Weight-only int8 changes every weight by up to half a quantization step, so greedy decoding can
 take another branch where two tokens were nearly tied. This bench runs the same chat prompts
@@ -12,7 +13,9 @@ mean length of the common prefix, and the share of all tokens equal position by 
 A configuration is `float32`, `bfloat16`, or `int8` (int8 weights, activations in the
 machine's --dtype auto), or DTYPE+int8; `+exact` holds a bf16 stage's GGUF codes decoded to bf16
 (PPRING_GRID_ACTIVATIONS=bf16) rather than multiplied by int8 activations, the default.
-Writes bench_agreement.json into --out.
+With --text, each configuration's perplexity over the file's first --windows windows of
+--window-tokens tokens is measured too (teacher-forced, each window from position 0, one
+prefill each): a measure less fragile than greedy text. Writes bench_agreement.json into --out.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prefix", type=int, default=32, help="tokens that must agree")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--text", type=Path, default=None, help="a text file: perplexity too")
+    parser.add_argument("--windows", type=int, default=4, help="perplexity windows (--text)")
+    parser.add_argument("--window-tokens", type=int, default=512, help="tokens a window")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     args.candidates = [c.strip() for c in args.candidates.split(",") if c.strip()]
@@ -67,6 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--prompts must be 1 to {len(PROMPTS)}")
     if args.new_tokens < 1 or not 1 <= args.prefix <= args.new_tokens:
         parser.error("--new-tokens must be >= 1 and --prefix between 1 and --new-tokens")
+    if args.windows < 1 or args.window_tokens < 2:
+        parser.error("--windows must be >= 1 and --window-tokens >= 2")
+    if args.text is not None and not args.text.is_file():
+        parser.error(f"--text {args.text}: no such file")
     for config in [args.reference, *args.candidates]:
         try:
             split_config(config)
@@ -118,6 +128,43 @@ def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[
     return outputs
 
 
+def text_windows(token_ids: list[int], windows: int, window_tokens: int) -> list[list[int]]:
+    """The first `windows` whole windows of `window_tokens` tokens (fewer if the text is short;
+    at least one, maybe shorter, if it has two tokens)."""
+    found = [
+        token_ids[i : i + window_tokens]
+        for i in range(0, len(token_ids) - window_tokens + 1, window_tokens)
+    ][:windows]
+    if not found and len(token_ids) >= 2:
+        found = [token_ids]
+    if not found:
+        raise ValueError("--text holds fewer than two tokens: no perplexity to measure")
+    return found
+
+
+def perplexity(runner: Any, windows: list[list[int]]) -> dict:
+    """exp(mean negative log-likelihood) of each window's tokens after its first, each window
+    one prefill from position 0 (its logits for every row), and the share of positions whose
+    top token is the next one."""
+    import math
+
+    import torch
+
+    from stages.batch import SeqChunk, blocks_needed
+
+    nll, hits, count = 0.0, 0, 0
+    for window in windows:
+        table = list(range(blocks_needed(len(window))))
+        logits = runner.forward_logits([SeqChunk(window, 0, table, sample=True)], all_rows=True)
+        logits = logits[:-1].float()  # [W - 1, V]: row p predicts token p + 1
+        target = torch.tensor(window[1:])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        nll -= float(logprobs[torch.arange(len(target)), target].sum())
+        hits += int((logits.argmax(dim=-1) == target).sum())
+        count += len(target)
+    return {"perplexity": math.exp(nll / count), "top1": hits / count, "tokens": count}
+
+
 def compare(reference: list[list[int]], candidate: list[list[int]], prefix: int) -> dict:
     common = []
     for ref, got in zip(reference, candidate):
@@ -157,9 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     blocks = sum(blocks_needed(len(p) + args.new_tokens) for p in prompts)
+    windows = None
+    if args.text is not None:
+        ids = tokenizer(args.text.read_text(errors="replace"))["input_ids"]
+        windows = text_windows(list(ids), args.windows, args.window_tokens)
+        blocks = max(blocks, blocks_needed(max(len(w) for w in windows)))
     started = time.monotonic()
     outputs: dict[str, list[list[int]]] = {}
     timings: dict[str, float] = {}
+    scores: dict[str, dict] = {}
     from stages.linear import GRID_ACTIVATIONS_ENV
 
     for name in [args.reference, *args.candidates]:
@@ -179,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         begin = time.perf_counter()
         outputs[name] = greedy(runner, prompts, args.new_tokens)
         timings[name] = time.perf_counter() - begin
+        if windows is not None:  # the greedy runs are done with the cache: reuse its blocks
+            scores[name] = perplexity(runner, windows)
         print(
             f"  {name} ({resolved}, weights {quantization}, grid activations {activations}): "
             f"{timings[name]:.1f} s",
@@ -198,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
             name: {**compare(reference, outputs[name], args.prefix), "seconds": timings[name]}
             for name in args.candidates
         },
+        "perplexity": {
+            "text": str(args.text),
+            "windows": len(windows),
+            "window_tokens": args.window_tokens,
+            **scores,
+        }
+        if windows is not None
+        else None,
         "sample_text": {
             name: tokenizer.decode(outputs[name][0][:48])
             for name in [args.reference, *args.candidates]
@@ -213,6 +276,13 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens; mean common prefix {c['mean_common_prefix_tokens']:.1f} tokens; "
             f"{100 * c['token_agreement']:.0f}% of tokens equal position by position"
         )
+    if windows is not None:
+        print(f"\nperplexity over {len(windows)} windows of {args.text}:")
+        for name, score in scores.items():
+            print(
+                f"  {name:>14}: {score['perplexity']:.3f}; top token right at "
+                f"{100 * score['top1']:.1f}% of {score['tokens']} positions"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "bench_agreement.json"
     path.write_text(json.dumps(result, indent=1))

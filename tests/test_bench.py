@@ -224,3 +224,14 @@ def test_agreement_configurations_name_dtype_weights_and_grid_activations():
     for bad in ("float16", "bfloat16+float32", "bfloat16+exact+exact", "int4"):
         with pytest.raises(ValueError, match="not a configuration"):
             split_config(bad)
+
+
+def test_perplexity_windows_are_whole_and_bounded():
+    from bench.agreement import text_windows
+
+    ids = list(range(1000))
+    assert text_windows(ids, 4, 300) == [ids[0:300], ids[300:600], ids[600:900]]
+    assert text_windows(ids, 2, 300) == [ids[0:300], ids[300:600]]
+    assert text_windows(ids[:50], 4, 300) == [ids[:50]]  # shorter than a window: the whole text
+    with pytest.raises(ValueError, match="fewer than two tokens"):
+        text_windows([7], 4, 300)
