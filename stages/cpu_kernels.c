@@ -2251,7 +2251,8 @@ static void a8_quantize_row(const uint16_t *x, int K, int8_t *xq, float *dx, flo
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
         const __m512 hi = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)); /* nearest even */
@@ -2261,6 +2262,11 @@ static void a8_quantize_row(const uint16_t *x, int K, int8_t *xq, float *dx, flo
         sq[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         dx[b] = amax / 127.0f;
     }
+}
+
+/* 16 fp16 numbers (a block's d or m for one panel's channels) as fp32 */
+static inline __m512 fp16x16_load(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* Rows [0, MR) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). */
@@ -2307,13 +2313,12 @@ static inline __attribute__((always_inline)) void a8_micro(
                 }
             }
         }
-        const __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d0 + kb * PANEL)));
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d1 + kb * PANEL)));
+        const __m512 s0 = fp16x16_load(d0 + kb * PANEL), s1 = fp16x16_load(d1 + kb * PANEL);
         if (bits == 4) {
-            const __m512 o0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m0 + kb * PANEL)));
-            const __m512 o1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m1 + kb * PANEL)));
+            const __m512 o0 = fp16x16_load(m0 + kb * PANEL), o1 = fp16x16_load(m1 + kb * PANEL);
             for (int m = 0; m < MR; m++) {
-                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]), rsx = _mm512_set1_ps(sx[m * KB + kb]);
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                const __m512 rsx = _mm512_set1_ps(sx[m * KB + kb]);
                 f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
                                           _mm512_fmadd_ps(o0, rsx, f[m][0]));
                 f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
@@ -2356,7 +2361,8 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
     const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
     int8_t *xq = malloc((size_t)M * K);
-    float *dx = malloc((size_t)M * KB * sizeof(float)), *sx = malloc((size_t)M * KB * sizeof(float));
+    float *dx = malloc((size_t)M * KB * sizeof(float));
+    float *sx = malloc((size_t)M * KB * sizeof(float));
     int32_t *sq = malloc((size_t)M * KB * sizeof(int32_t));
     const int ok = xq && dx && sx && sq;
     if (ok) {
@@ -2369,8 +2375,10 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
 #pragma omp for schedule(guided, 2)
             for (int u = 0; u < num_units; u++) {
                 const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
-                const uint8_t *c0 = codes + p0 * panel_codes, *c1 = np > 1 ? c0 + panel_codes : c0;
-                const uint16_t *d0 = scale + p0 * panel_scales, *d1 = np > 1 ? d0 + panel_scales : d0;
+                const uint8_t *c0 = codes + p0 * panel_codes;
+                const uint8_t *c1 = np > 1 ? c0 + panel_codes : c0;
+                const uint16_t *d0 = scale + p0 * panel_scales;
+                const uint16_t *d1 = np > 1 ? d0 + panel_scales : d0;
                 const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
                 const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
                 for (int r = 0; r < M; r += A8_MR) {
@@ -2378,12 +2386,14 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
                     const float *dr = dx + (int64_t)r * KB, *sr = sx + (int64_t)r * KB;
                     const int32_t *qr = sq + (int64_t)r * KB;
                     uint16_t *yr = y + (int64_t)r * N;
+#define A8_CALL(MR) a8_micro(MR, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np)
                     switch (M - r < A8_MR ? M - r : A8_MR) {
-                    case 1: a8_micro(1, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
-                    case 2: a8_micro(2, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
-                    case 3: a8_micro(3, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
-                    default: a8_micro(4, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np); break;
+                    case 1: A8_CALL(1); break;
+                    case 2: A8_CALL(2); break;
+                    case 3: A8_CALL(3); break;
+                    default: A8_CALL(4); break;
                     }
+#undef A8_CALL
                 }
             }
         }
@@ -2404,7 +2414,9 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
  * ~70 us a layer, most of a single stream's step after its matmuls). stages/fused_layer.py
  * fills these structs once at load and calls ppr_decoder_layer once per layer per step. */
 
-enum { PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6 };
+enum {
+    PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6
+};
 
 /* One weight matrix [N, K] as its module holds it. f32, bf16: a = panels; grid (and grid a8):
  * a = codes, b = scale, c = offset (NULL for Q8_0); int8: a = the weight, b = its fp32 scales. */
@@ -2459,8 +2471,8 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
         ppr_linear_int8(elem_bytes, x, w->a, w->b, y, M, w->n, w->k);
         return 0;
     case PPR_GRID_A8:
-        return elem_bytes == 2 ? ppr_linear_grid_a8(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits)
-                               : -1;
+        if (elem_bytes != 2) return -1;
+        return ppr_linear_grid_a8(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits);
     }
     return -1;
 }
