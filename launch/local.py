@@ -213,7 +213,35 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         lines.append("weights: int8, one scale per output channel (--quantization int8)")
     if device.type == "cpu":
         lines.append(f"CPU kernels: {reason}" if kernels else f"CPU kernels: off ({reason})")
+        grid_line = grid_weights_line(choice.dtype, args.quantization, kernels)
+        if grid_line:
+            lines.append(grid_line)
     return lines
+
+
+def grid_weights_line(dtype: Any, quantization: str, kernels: Any) -> str | None:
+    """How a CPU stage will multiply weights that lie on a GGUF grid (stages/grid.py), where
+    that changes its numbers: a bf16 stage multiplies their codes by int8-quantized rows unless
+    PPRING_GRID_ACTIVATIONS=bf16 (a bad value is one error here). None where it does not apply."""
+    import torch
+
+    from stages import grid
+    from stages.linear import GRID_ACTIVATIONS_ENV, grid_activations
+
+    if (
+        dtype != torch.bfloat16
+        or quantization != "none"
+        or kernels is None
+        or not kernels.bf16_dot
+        or not grid.enabled()
+    ):
+        return None
+    if kernels.a8_dot and grid_activations() == "int8":
+        return (
+            "GGUF-grid weights: held as codes, multiplied by int8-quantized activations (per "
+            f"32, as llama.cpp does; {GRID_ACTIVATIONS_ENV}=bf16 for exact bf16 products)"
+        )
+    return "GGUF-grid weights: held as codes, decoded to exactly their bf16 values"
 
 
 def main(argv: list[str] | None = None) -> int:

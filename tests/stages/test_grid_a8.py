@@ -130,3 +130,24 @@ def test_linear_grid_a8_refuses_what_it_would_misread(kernels: native.NativeKern
         grid.GridQuads(8, quads.codes, quads.scale.float(), None, 32)
     with pytest.raises(ValueError, match="grid quads"):  # codes of another K
         grid.GridQuads(8, quads.codes[:, :8].contiguous(), quads.scale, None, 32)
+
+
+def test_the_start_up_summary_says_how_grid_weights_multiply(
+    kernels: native.NativeKernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from launch.local import grid_weights_line
+
+    line = grid_weights_line(BF16, "none", kernels)
+    assert line is not None and "int8-quantized activations" in line
+    assert "PPRING_GRID_ACTIVATIONS=bf16" in line
+    # where nothing changes: fp32 stages, int8 weights, no kernels, codes turned off
+    assert grid_weights_line(torch.float32, "none", kernels) is None
+    assert grid_weights_line(BF16, "int8", kernels) is None
+    assert grid_weights_line(BF16, "none", None) is None
+    monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, "bf16")
+    assert "exactly their bf16 values" in grid_weights_line(BF16, "none", kernels)
+    monkeypatch.setenv(linear_module.GRID_ACTIVATIONS_ENV, "int4")  # one error, at start-up
+    with pytest.raises(ConfigError, match="PPRING_GRID_ACTIVATIONS"):
+        grid_weights_line(BF16, "none", kernels)
+    monkeypatch.setenv(grid.DISABLE_ENV, "0")
+    assert grid_weights_line(BF16, "none", kernels) is None
