@@ -289,10 +289,10 @@ class GridA8Linear(_HeldAsCodes):
     GridBf16Linear's work per weight at every row count, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes
     a weight, and no bf16 panels held: all of SmolLM2's matmuls, 2 threads, Zen 4 EPYC (random
     codes of its shapes against the bf16 panels, 9 alternated rounds, medians): 1 row 3.7 /
-    8.9 ms, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88. The
-    results are not bit for bit the bf16 panels' (x loses bits to its int8 grid; README gives
-    the perplexity), but a row's result still depends on that row alone.
-    `PPRING_GRID_ACTIVATIONS=bf16` keeps GridBf16Linear instead."""
+    8.9 ms, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88. The results are not
+    bit for bit the bf16 panels' (x loses bits to its int8 grid; README gives the perplexity),
+    but a row's result still depends on that row alone. `PPRING_GRID_ACTIVATIONS=bf16` keeps
+    GridBf16Linear instead."""
 
     grid: GridQuads
 
