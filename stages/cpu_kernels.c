@@ -2269,6 +2269,13 @@ static inline __m512 fp16x16_load(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/* group g's line of both panels of the unit at `next` (panels `stride` bytes apart), into L2 */
+static inline __attribute__((always_inline)) void a8_fetch(const uint8_t *next, int64_t stride,
+                                                           int g) {
+    _mm_prefetch((const char *)(next + (int64_t)g * 64), _MM_HINT_T1);
+    _mm_prefetch((const char *)(next + stride + (int64_t)g * 64), _MM_HINT_T1);
+}
+
 /* Rows [0, MR) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). PF (a
  * constant, so the other calls compile as if it were not there): the next unit's codes, at
  * `next` and `next + next_stride`, are fetched into L2 a line per line read here (a prefetch
@@ -2288,10 +2295,7 @@ static inline __attribute__((always_inline)) void a8_micro(
         if (bits == 4) {
             for (int o = 0; o < 4; o++) { /* group g holds 8 k */
                 const int g = 4 * kb + o;
-                if (PF) {
-                    _mm_prefetch((const char *)(next + (int64_t)g * 64), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(next + next_stride + (int64_t)g * 64), _MM_HINT_T1);
-                }
+                if (PF) a8_fetch(next, next_stride, g);
                 const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
                 const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
                 const __m512i l0 = _mm512_and_si512(v0, nibble);
@@ -2310,10 +2314,7 @@ static inline __attribute__((always_inline)) void a8_micro(
         } else {
             for (int o = 0; o < 8; o++) { /* group g holds 4 k */
                 const int g = 8 * kb + o;
-                if (PF) {
-                    _mm_prefetch((const char *)(next + (int64_t)g * 64), _MM_HINT_T1);
-                    _mm_prefetch((const char *)(next + next_stride + (int64_t)g * 64), _MM_HINT_T1);
-                }
+                if (PF) a8_fetch(next, next_stride, g);
                 const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
                 const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
                 for (int m = 0; m < MR; m++) {
