@@ -222,21 +222,15 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
 def grid_weights_line(dtype: Any, quantization: str, kernels: Any) -> str | None:
     """How a CPU stage will multiply weights that lie on a GGUF grid (stages/grid.py), where
     that changes its numbers: a bf16 stage multiplies their codes by int8-quantized rows unless
-    PPRING_GRID_ACTIVATIONS=bf16 (a bad value is one error here). None where it does not apply."""
+    PPRING_GRID_ACTIVATIONS=bf16 (a bad value is one error here). None where it does not apply:
+    wherever a stage does not load fp32 weights to look for the grid (`source_dtype`)."""
     import torch
 
-    from stages import grid
-    from stages.linear import GRID_ACTIVATIONS_ENV, grid_activations
+    from stages.linear import GRID_ACTIVATIONS_ENV, bf16_grid_way, source_dtype
 
-    if (
-        dtype != torch.bfloat16
-        or quantization != "none"
-        or kernels is None
-        or not kernels.bf16_dot
-        or not grid.enabled()
-    ):
+    if dtype != torch.bfloat16 or source_dtype(dtype, quantization, kernels) == dtype:
         return None
-    if kernels.a8_dot and grid_activations() == "int8":
+    if bf16_grid_way(kernels) == "int8":
         return (
             "GGUF-grid weights: held as codes, multiplied by int8-quantized activations (per "
             f"32, as llama.cpp does; {GRID_ACTIVATIONS_ENV}=bf16 for exact bf16 products)"

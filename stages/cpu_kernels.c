@@ -2373,11 +2373,13 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
     if (M <= 0) return 0;
     const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
-    int8_t *xq = malloc((size_t)M * K);
-    float *dx = malloc((size_t)M * KB * sizeof(float));
-    float *sx = malloc((size_t)M * KB * sizeof(float));
-    int32_t *sq = malloc((size_t)M * KB * sizeof(int32_t));
-    const int ok = xq && dx && sx && sq;
+    /* one allocation: per row and block, dx, sum(x) and sum(xq) (4 bytes each), then xq */
+    const size_t per_block = (size_t)M * KB;
+    char *scratch = malloc(per_block * (sizeof(float) * 2 + sizeof(int32_t)) + (size_t)M * K);
+    float *dx = (float *)scratch, *sx = dx + per_block;
+    int32_t *sq = (int32_t *)(sx + per_block);
+    int8_t *xq = (int8_t *)(sq + per_block);
+    const int ok = scratch != NULL;
     if (ok) {
 #pragma omp parallel
         {
@@ -2423,7 +2425,7 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
             }
         }
     }
-    free(xq), free(dx), free(sx), free(sq);
+    free(scratch);
     return ok ? 0 : -1;
 #else
     (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,

@@ -134,14 +134,13 @@ class GridQuads(_Codes):
 
     WHAT: ClassVar[str] = "grid quads"
     SCALE_DTYPE: ClassVar[torch.dtype] = torch.float16
-    K_PER_ROW: ClassVar[int] = 8  # 4 bits; 8 bits: 4 (in_features)
 
     def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
         return torch.uint8, (panels, k // (8 if self.bits == 4 else 4), 4 * PANEL)
 
     @property
-    def in_features(self) -> int:
-        return (8 if self.bits == 4 else 4) * self.codes.shape[1]  # K
+    def in_features(self) -> int:  # K: a group holds 8 k (4 bits) or 4 (8 bits)
+        return (8 if self.bits == 4 else 4) * self.codes.shape[1]
 
 
 def enabled() -> bool:

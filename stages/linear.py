@@ -269,12 +269,11 @@ def _found_codes(weight: torch.Tensor, kernels: NativeKernels) -> grid.Found | N
     return grid.find_codes(weight.detach(), kernels)
 
 
-def grid_bf16_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridBf16Linear | None:
-    """GridBf16Linear for `weight` [N, K] (fp32, the checkpoint's values) if it lies on a grid
-    and the kernel decodes its codes to exactly weight's bf16 panels, bit for bit (else None)."""
-    found = _found_codes(weight, kernels)
-    if found is None:
-        return None
+def _grid_bf16_linear(
+    found: grid.Found, weight: torch.Tensor, kernels: NativeKernels
+) -> GridBf16Linear | None:
+    """GridBf16Linear for `weight` [N, K] (fp32, the checkpoint's values) and its codes, if the
+    kernel decodes them to exactly weight's bf16 panels, bit for bit (else None)."""
     pairs = grid.pack_pairs(found, weight.shape[0])
     panels = kernels.pack_bf16(weight.to(torch.bfloat16))
     if not torch.equal(kernels.unpack_grid_bf16(pairs), panels):
@@ -324,16 +323,37 @@ def grid_activations() -> str:
     return value
 
 
-def grid_a8_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridA8Linear | None:
-    """GridA8Linear for `weight` [N, K] (fp32, the checkpoint's values) if it lies on a grid
-    and its codes decode back to exactly the weight (else None)."""
-    found = _found_codes(weight, kernels)
-    if found is None:
-        return None
+def bf16_grid_way(kernels: NativeKernels) -> str:
+    """How a bf16 stage over these kernels multiplies weights held as grid codes: "int8"
+    (GridA8Linear: needs VNNI, and PPRING_GRID_ACTIVATIONS not bf16) or "bf16"
+    (GridBf16Linear)."""
+    return "int8" if kernels.a8_dot and grid_activations() == "int8" else "bf16"
+
+
+def _grid_a8_linear(
+    found: grid.Found, weight: torch.Tensor, kernels: NativeKernels
+) -> GridA8Linear | None:
+    """GridA8Linear for `weight` [N, K] (fp32, the checkpoint's values) and its codes, if they
+    decode back to exactly the weight (else None)."""
     quads = grid.pack_quads(found, weight.shape[0])
     if not torch.equal(quad_rows(quads, torch.arange(weight.shape[0])), weight):
         return None
     return GridA8Linear(quads, kernels)
+
+
+def grid_bf16_stage_linear(
+    weight: torch.Tensor, kernels: NativeKernels
+) -> GridA8Linear | GridBf16Linear | None:
+    """A bf16 stage's module for `weight` [N, K] (fp32, the checkpoint's values) held as its
+    grid codes, the way `bf16_grid_way` says (the codes found once); None off every grid."""
+    found = _found_codes(weight, kernels)
+    if found is None:
+        return None
+    if bf16_grid_way(kernels) == "int8":
+        held = _grid_a8_linear(found, weight, kernels)
+        if held is not None:
+            return held
+    return _grid_bf16_linear(found, weight, kernels)
 
 
 class Int8Linear(nn.Module):
@@ -378,11 +398,7 @@ def make_linear(
     if on_cpu and dtype == torch.float32:
         return grid_linear(weight, kernels) or CpuLinear(weight, kernels)
     if on_cpu and dtype == torch.bfloat16 and kernels.bf16_dot:
-        if kernels.a8_dot and grid_activations() == "int8":
-            found = grid_a8_linear(weight, kernels)
-            if found is not None:
-                return found
-        return grid_bf16_linear(weight, kernels) or CpuBf16Linear(
+        return grid_bf16_stage_linear(weight, kernels) or CpuBf16Linear(
             weight.to(torch.bfloat16), kernels
         )
     return DenseLinear(weight.to(dtype))

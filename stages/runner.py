@@ -601,12 +601,13 @@ def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
     rest = "" if len(grids) == total else ", the rest packed in panels"
     both = [m.code_rows for m in model.modules() if isinstance(m, GridBf16Linear)]
-    also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
     if any(isinstance(m, GridA8Linear) for m in model.modules()):
         also = (
             ", multiplied by int8 activations (per 32, as llama.cpp does; "
             f"{GRID_ACTIVATIONS_ENV}=bf16 for the bf16 panels' results)"
         )
+    else:
+        also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
     return (
         f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts})"
         f"{also}{rest}"
