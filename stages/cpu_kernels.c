@@ -2361,6 +2361,43 @@ int ppr_has_a8_dot(void) {
 #endif
 }
 
+/* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]: d * q,
+ * then + m (two fp32 roundings, as stages/grid.py quad_rows and the checkpoint's converter
+ * compute them: no FMA here), rounded to bf16. A tied lm_head's embedding lookup: the same as
+ * quad_rows(...).to(bfloat16), bit for bit, in about a microsecond a row instead of ~50 us of
+ * torch ops (a single stream's step spent that much on its one token). Returns -1 for an id
+ * outside [0, N), without AVX512_BF16 and VNNI, or for a K that is not a multiple of 32. */
+__attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
+    const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, const int64_t *ids,
+    uint16_t *out, int T, int N, int K, int bits) {
+#ifdef HAVE_A8_DOT
+    if (K % GRID_BLOCK || (bits != 4 && bits != 8) || (bits == 4 && !offset)) return -1;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    const int KB = K / GRID_BLOCK, per_group = bits == 4 ? 8 : 4;
+    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8;
+    for (int t = 0; t < T; t++) {
+        const int64_t p = ids[t] / PANEL;
+        const int c = (int)(ids[t] % PANEL);
+        const uint8_t *panel = codes + p * panel_codes;
+        for (int k = 0; k < K; k++) {
+            const int g = k / per_group, j = k % per_group;
+            const uint8_t byte = panel[(int64_t)g * 64 + 4 * c + j % 4];
+            const int q = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : (int)byte - 128;
+            const int64_t block = (p * KB + k / GRID_BLOCK) * PANEL + c;
+            float v = (float)q * _cvtsh_ss(scale[block]);
+            if (bits == 4) v = v + _cvtsh_ss(offset[block]);
+            out[(int64_t)t * K + k] = bf16_store(v);
+        }
+    }
+    return 0;
+#else
+    (void)codes, (void)scale, (void)offset, (void)ids, (void)out, (void)T, (void)N, (void)K,
+        (void)bits;
+    return -1;
+#endif
+}
+
 /* y[M, N] bf16 = x[M, K] bf16 @ W[N, K]^T for W held as grid codes in the layout above (bits 4
  * or 8), x quantized to int8 per block of 32 first. Threads share the rows' quantization, then
  * the units of two panels (each unit's rows A8_MR at a time, its codes reused from cache).
@@ -2528,6 +2565,24 @@ int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_i
     ppr_silu_mul(eb, s->gate_up, (const char *)s->gate_up + (int64_t)L->intermediate * eb,
                  2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
     return run_linear(&L->down, eb, s->act, h_out, T);
+}
+
+/* A stage's n layers in one call (layers: n structs back to back): layer i reads and writes
+ * its cache at kv + i * kv_stride bytes. The first reads h_in and residual_in (NULL: the
+ * model's first layer); the rest work in place on h_out and residual_out, as the layer-by-layer
+ * path does. One call instead of one per layer: a ctypes call and its Python cost 3-5 us, and
+ * a single stream's step makes 30. Returns 0, or -1 when a layer failed (its kernels said). */
+int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, const void *h_in,
+                       const void *residual_in, void *residual_out, void *kv, int64_t kv_stride,
+                       void *h_out) {
+    for (int i = 0; i < n; i++) {
+        if (ppr_decoder_layer(&layers[i], s, h_in, residual_in, residual_out,
+                              (char *)kv + (int64_t)i * kv_stride, h_out))
+            return -1;
+        h_in = h_out;
+        residual_in = residual_out;
+    }
+    return 0;
 }
 
 /* The layer's four matmuls alone, as ppr_decoder_layer runs them, at M rows: what `ppring bench

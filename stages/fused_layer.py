@@ -1,11 +1,11 @@
-"""A stage's decoder layers as one kernel call each (cpu_kernels.c `ppr_decoder_layer`).
+"""A stage's decoder layers in one kernel call (cpu_kernels.c `ppr_decoder_layers`).
 
 A layer is nine kernel calls (two norms, four matmuls, RoPE and the cache store, attention,
 SiLU): called one by one from Python, each pays for a module call, torch.empty, checks and a
 ctypes call, ~70 us a layer on the 2-core EPYC, which at one row is as much time as a third of
 the layer's matmuls. Here the weights' pointers and shapes are put into C structs once, at
-load; a forward allocates its scratch once for all layers and makes one ctypes call per layer.
-The C side runs the same kernels in the same order on the same values, so the output is bit
+load; a forward allocates its scratch once for all layers and makes one ctypes call for all of
+them. The C side runs the same kernels in the same order on the same values, so the output is bit
 for bit what DecoderLayer.forward computes (tests/stages/test_fused_layer.py holds it to that).
 
 Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
@@ -135,7 +135,7 @@ def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
 
 
 class FusedLayers:
-    """Layers [start, end) of one stage, each run by one call of ppr_decoder_layer. Holds raw
+    """Layers [start, end) of one stage, run by one call of ppr_decoder_layers. Holds raw
     pointers into the layers' weights: the stage module owns them and outlives this."""
 
     def __init__(
@@ -146,7 +146,7 @@ class FusedLayers:
         dtype: torch.dtype,
     ) -> None:
         """`matrices`: each layer's four structs (`_linear`), in `_projections`' order."""
-        self._call = kernels.decoder_layer
+        self._call = kernels.decoder_layers
         self._matmuls = kernels.layer_matmuls
         self.dtype = dtype
         first = layers[0]
@@ -154,7 +154,7 @@ class FusedLayers:
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
         self.intermediate = first.down_proj.in_features
-        self._layers = [  # kept alive: C reads them
+        layer_structs = [
             _Layer(
                 *four,
                 layer.input_norm.data_ptr(),
@@ -168,7 +168,10 @@ class FusedLayers:
             )
             for layer, four in zip(layers, matrices, strict=True)
         ]
-        self._layer_at = [ctypes.addressof(layer) for layer in self._layers]
+        # back to back, as ppr_decoder_layers walks them; kept alive: C reads them
+        self._layers = (_Layer * len(layer_structs))(*layer_structs)
+        self._layers_at = ctypes.addressof(self._layers)
+        self._layer_at = [self._layers_at + i * ctypes.sizeof(_Layer) for i in range(len(layers))]
 
     @classmethod
     def build(
@@ -236,12 +239,11 @@ class FusedLayers:
         )
         step_at = ctypes.addressof(step)
         kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
-        h_in = h.data_ptr()
         res_in = None if residual is None else residual.data_ptr()
-        res_out, h_out = residual_out.data_ptr(), out.data_ptr()
-        for index, layer_at in enumerate(self._layer_at):
-            self._call(layer_at, step_at, h_in, res_in, res_out, kv_base + index * kv_stride, h_out)
-            h_in, res_in = h_out, res_out  # later layers work in place
+        self._call(
+            self._layers_at, len(self._layer_at), step_at, h.data_ptr(), res_in,
+            residual_out.data_ptr(), kv_base, kv_stride, out.data_ptr(),
+        )  # fmt: skip
         return out, residual_out
 
     def matmuls(self, rows: int) -> Callable[[], None]:

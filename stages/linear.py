@@ -300,8 +300,9 @@ class GridA8Linear(_HeldAsCodes):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
-        checkpoint's values rounded to bf16, as CpuBf16Linear would hold them."""
-        return quad_rows(self.grid, ids).to(torch.bfloat16)
+        checkpoint's values rounded to bf16, as CpuBf16Linear would hold them (decoded by one
+        kernel call: grid.quad_rows's torch ops cost ~50 us a step)."""
+        return self.kernels.grid_a8_rows(self.grid, ids)
 
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] the codes stand for (for tools that compare with F.linear)."""

@@ -211,9 +211,12 @@ class LlamaStage(nn.Module):
     def final_hidden(
         self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Last stage: the final norm of h + r, only for `rows` ([N] long) or for all T rows
-        when None. Returns [N, d] in the stage dtype: what the lm_head multiplies."""
-        if rows is not None:  # the norm is per row, so select first: [N, d]
+        """Last stage: the final norm of h + r, only for `rows` ([N] long, increasing: the
+        sampled rows) or for all T rows when None. Returns [N, d] in the stage dtype: what the
+        lm_head multiplies."""
+        # The norm is per row, so select first: [N, d]. N increasing rows of T = N are every
+        # row in order (a decode batch where each samples): nothing to select.
+        if rows is not None and rows.shape[0] != h.shape[0]:
             h, residual = h.index_select(0, rows), residual.index_select(0, rows)
         x, _ = self.ops.add_rms_norm(h, residual, self.final_norm, self.config.rms_norm_eps)
         return x

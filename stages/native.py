@@ -96,6 +96,8 @@ class NativeKernels:
         self.a8_dot = bool(lib.ppr_has_a8_dot())
         lib.ppr_linear_grid_a8.restype = ctypes.c_int
         lib.ppr_linear_grid_a8.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
+        lib.ppr_grid_a8_rows.restype = ctypes.c_int
+        lib.ppr_grid_a8_rows.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_add_rms_norm.restype = None
         lib.ppr_add_rms_norm.argtypes = (
             [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -111,8 +113,8 @@ class NativeKernels:
         ] * 2
         lib.ppr_kv_as_pairs.restype = ctypes.c_int
         lib.ppr_kv_as_pairs.argtypes = [ctypes.c_int] * 2
-        lib.ppr_decoder_layer.restype = ctypes.c_int
-        lib.ppr_decoder_layer.argtypes = [_vp] * 7
+        lib.ppr_decoder_layers.restype = ctypes.c_int
+        lib.ppr_decoder_layers.argtypes = [_vp, ctypes.c_int] + [_vp] * 5 + [ctypes.c_int64, _vp]
         lib.ppr_layer_matmuls.restype = ctypes.c_int
         lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_row_argmax.restype = None
@@ -407,6 +409,23 @@ class NativeKernels:
             "kernels without AVX512_BF16 and VNNI, or no memory",
         )  # fmt: skip
 
+    def grid_a8_rows(self, quads: GridQuads, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of the weight held as `quads`, [T, K] bf16: stages/grid.py
+        quad_rows(quads, ids) rounded to bf16, bit for bit (a tied lm_head's embedding lookup).
+        Only where `a8_dot`."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], quads.in_features, dtype=torch.bfloat16)
+        status = self._lib.ppr_grid_a8_rows(
+            *_grid_pointers(quads), ids.data_ptr(), out.data_ptr(), ids.shape[0],
+            quads.out_features, quads.in_features, quads.bits,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"grid_a8_rows: token ids must lie in [0, {quads.out_features}) "
+                "(or these kernels lack AVX512_BF16 and VNNI)"
+            )
+        return out
+
     def add_rms_norm(
         self,
         h: torch.Tensor,
@@ -494,14 +513,15 @@ class NativeKernels:
         )
         return out
 
-    def decoder_layer(
-        self, layer: int, step: int, h_in: int, residual_in: int | None, residual_out: int,
-        kv_layer: int, h_out: int,
+    def decoder_layers(
+        self, layers: int, num_layers: int, step: int, h_in: int, residual_in: int | None,
+        residual_out: int, kv: int, kv_stride: int, h_out: int,
     ) -> None:  # fmt: skip
-        """One decoder layer, every kernel of it in one call, over raw addresses: the structs
-        `layer` and `step` and the buffers stages/fused_layer.py lays out (it checks them)."""
-        status = self._lib.ppr_decoder_layer(
-            layer, step, h_in, residual_in, residual_out, kv_layer, h_out
+        """`num_layers` decoder layers, every kernel of each, in one call over raw addresses:
+        the structs `layers` (back to back) and `step`, the buffers stages/fused_layer.py lays
+        out (it checks them), and the cache at `kv`, a layer every `kv_stride` bytes."""
+        status = self._lib.ppr_decoder_layers(
+            layers, num_layers, step, h_in, residual_in, residual_out, kv, kv_stride, h_out
         )
         if status != 0:
             raise RuntimeError("a kernel of the fused decoder layer failed (see cpu_kernels.c)")

@@ -78,6 +78,8 @@ def test_a_grid_weight_multiplies_as_llama_cpp_does(
     assert torch.equal(linear.rows(ids), weight.to(BF16)[ids])  # a tied embedding's lookup
     assert linear.rows(ids).dtype == BF16
     assert linear.rows(ids[:0]).shape == (0, k)
+    every = torch.arange(n)  # the kernel's decode is quad_rows's, every row, bit for bit
+    assert torch.equal(linear.rows(every), grid.quad_rows(linear.grid, every).to(BF16))
     # the codes alone: no bf16 panels held beside them
     assert [name for name, _ in linear.named_buffers()] == [
         "codes",
@@ -126,6 +128,9 @@ def test_linear_grid_a8_refuses_what_it_would_misread(kernels: native.NativeKern
         kernels.linear_grid_a8(torch.randn(2, 96).to(BF16), quads)  # K = 96, codes for 64
     with pytest.raises(ValueError, match="bfloat16 x"):
         kernels.linear_grid_a8(torch.randn(2, 64), quads)
+    for bad in (32, -1):  # a row past the weight's N is refused, not read
+        with pytest.raises(ValueError, match="token ids must lie in"):
+            kernels.grid_a8_rows(quads, torch.tensor([0, bad]))
     with pytest.raises(ValueError, match="grid quads"):  # a scale of the wrong dtype
         grid.GridQuads(8, quads.codes, quads.scale.float(), None, 32)
     with pytest.raises(ValueError, match="grid quads"):  # codes of another K
