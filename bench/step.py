@@ -16,7 +16,11 @@ Two floors, both measured in the same run on the same device:
 The bench loads the whole model as one stage (PP=1), prefills `--context` tokens for each of B
 sequences, then times decode steps exactly as the ring runs them (`StageRunner.run`: inputs
 built from block tables, the forward, sampling, and the token ids back on the host), median of
-`--steps`. It prints a table and writes `bench_step.json` into `--out`.
+`--steps`. The steps run in `--rounds` groups with a copy between groups (and after the last):
+each batch's bounds use the median of those copies, taken under the host's load of the moment
+its steps ran (on this shared 2-core host one copy figure moved 25-31 GB/s within a minute, and
+42 against 28 between two runs, so a bound measured once at start-up moved the ratio by a
+third). It prints a table and writes `bench_step.json` into `--out`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512, help="tokens in each sequence's KV")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     parser.add_argument("--copy-mib", type=int, default=None, help="copy size (default: auto)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="groups a batch's steps are timed in, a bandwidth copy between groups",
+    )
     parser.add_argument("--out", type=Path, default=Path("."), help="where the JSON goes")
     parser.add_argument(
         "--cuda-graph-max-bs",
@@ -58,8 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     except ValueError:
         parser.error("--batch-sizes takes comma-separated numbers, e.g. 1,16,64")
-    if min(args.batch_sizes) < 1 or args.context < 1 or args.steps < 1 or args.threads < 1:
-        parser.error("--batch-sizes, --context, --steps and --threads must be >= 1")
+    if min(args.batch_sizes) < 1 or min(args.context, args.steps, args.threads, args.rounds) < 1:
+        parser.error("--batch-sizes, --context, --steps, --threads and --rounds must be >= 1")
     return args
 
 
@@ -70,22 +80,30 @@ def synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth(device: Any, nbytes: int, repeats: int = 10) -> float:
-    """Bytes/s of a device-to-device tensor copy, counting bytes read plus bytes written, the
-    median of `repeats` after a warm-up."""
-    import torch
+class CopyProbe:
+    """A device-to-device tensor copy of `nbytes`, made once; each call is its bandwidth now."""
 
-    src = torch.randn(nbytes // 4, device=device)  # fp32; random, never zeros
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
+    def __init__(self, device: Any, nbytes: int) -> None:
+        import torch
+
+        self.device = device
+        self.src = torch.randn(nbytes // 4, device=device)  # fp32; random, never zeros
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # (first touch)
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+    def __call__(self, repeats: int = 3) -> float:
+        """Bytes/s, counting bytes read plus bytes written: the median of `repeats` copies
+        after a warm-up copy."""
+        self.dst.copy_(self.src)
+        synchronize(self.device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.dst.copy_(self.src)
+            synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return 2 * self.src.numel() * self.src.element_size() / statistics.median(times)
 
 
 def matmul_modules(runner: Any) -> list[Any]:
@@ -142,9 +160,13 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
     return {"stage_s": own, "f_linear_s": dense}
 
 
-def time_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str, float]:
+def time_decode(
+    runner: Any, batch: int, context: int, steps: int, probe: CopyProbe, rounds: int
+) -> dict[str, Any]:
     """Prefill `batch` sequences of `context` random tokens, then time decode steps of all of
-    them together; the KV read per step grows by one token per step."""
+    them together; the KV read per step grows by one token per step. The timed steps run in
+    `rounds` groups (at most one a step), `probe` measuring the copy bandwidth before each
+    group and after the last: "bandwidths", bytes/s."""
     import random
 
     from stages.batch import SeqChunk, blocks_needed
@@ -162,8 +184,14 @@ def time_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str, 
             done = start + len(tokens) == context
             runner.run([SeqChunk(tokens, start, tables[i], sample=done)])
     last = [rng.randrange(vocab) for _ in range(batch)]
-    times = []
+    times: list[float] = []
+    bandwidths: list[float] = []
+    rounds = min(rounds, steps)
+    # the timed steps where a group starts: round r begins at step r * steps // rounds
+    group_starts = {WARMUP_STEPS + r * steps // rounds for r in range(rounds)}
     for step in range(WARMUP_STEPS + steps):
+        if step in group_starts:
+            bandwidths.append(probe())
         chunks = [SeqChunk([last[i]], context + step, tables[i], sample=True) for i in range(batch)]
         synchronize(runner.device)
         start = time.perf_counter()
@@ -172,7 +200,9 @@ def time_decode(runner: Any, batch: int, context: int, steps: int) -> dict[str, 
         if step >= WARMUP_STEPS:
             times.append(time.perf_counter() - start)
         last = out.token_ids
+    bandwidths.append(probe())
     return {
+        "bandwidths": bandwidths,
         "median_s": statistics.median(times),
         "min_s": min(times),
         "mean_context": context + WARMUP_STEPS + (steps - 1) / 2,
@@ -225,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     read_bytes = {b: runner.weight_bytes_read(b) - untied_embedding for b in args.batch_sizes}
     # A copy several times any cache: 1/8 of the weights, at least 256 MiB, at most 4 GiB.
     copy_mib = args.copy_mib or min(4096, max(256, weight_bytes // 8 // 2**20))
-    bandwidth = copy_bandwidth(device, copy_mib * 2**20)
+    probe = CopyProbe(device, copy_mib * 2**20)
+    start_bandwidth = probe(10)  # for the header; each batch measures its own among its steps
     kv_per_token = config.num_layers * config.kv_bytes_per_token_per_layer(args.dtype)
     print(
         f"ppring bench step: {model_dir.name}, {args.dtype} ({choice.reason}), "
@@ -233,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         f"on {device}, {args.threads} threads; "
         f"weights {weight_bytes / 1e9:.2f} GB held ({read_summary(read_bytes)}), "
         f"KV {kv_per_token / 1024:.0f} KiB/token; "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s ({copy_mib} MiB, read + write); "
+        f"copy bandwidth {start_bandwidth / 1e9:.1f} GB/s at start ({copy_mib} MiB, read + "
+        "write; each batch's bounds use copies among its own steps); "
         + (
             f"CUDA graphs for batches up to {graphs.sizes[-1]} ({graphs.capture_s:.1f} s to "
             "capture)"
@@ -245,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in args.batch_sizes:
         replays = graphs.replays if graphs is not None else 0
-        timing = time_decode(runner, batch, args.context, args.steps)
+        timing = time_decode(runner, batch, args.context, args.steps, probe, args.rounds)
         replayed = graphs is not None and graphs.replays > replays
         matmuls = time_matmuls(runner, batch, max(5, args.steps // 2))
+        bandwidth = statistics.median(timing["bandwidths"])  # measured among its steps
         kv_bytes = batch * timing["mean_context"] * kv_per_token
         bound_weights_s = read_bytes[batch] / bandwidth
         bound_s = (read_bytes[batch] + kv_bytes) / bandwidth
@@ -278,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                     else round(1000 * matmuls["f_linear_s"], 6)
                 ),
                 "kv_ms": round(1000 * kv_bytes / bandwidth, 6),
+                "copy_bandwidth_bytes_per_s": round(bandwidth),
+                "copy_bandwidths": [round(b) for b in timing["bandwidths"]],
                 "floor_ms": round(1000 * floor_s, 6),
                 "over_floor": round(timing["median_s"] / floor_s, 3),
             }
@@ -288,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['over_weights_bound']:.2f}x the "
             f"weight-read bound ({r['bound_weights_ms']:.2f} ms), {r['over_floor']:.2f}x the "
             f"floor ({r['floor_ms']:.2f} ms = matmuls {r['matmuls_ms']:.2f} "
-            f"[F.linear {r['f_linear_ms']}] + KV {r['kv_ms']:.2f})",
+            f"[F.linear {r['f_linear_ms']}] + KV {r['kv_ms']:.2f}); copies among its steps "
+            f"{' '.join(f'{b / 1e9:.1f}' for b in timing['bandwidths'])} GB/s",
             flush=True,
         )
     result = {
@@ -306,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
-        "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "copy_bandwidth_bytes_per_s": round(start_bandwidth),  # at start-up; rows: their own
         "copy_mib": copy_mib,
         "cuda_graph_sizes": graphs.sizes if graphs is not None else [],
         "cuda_graph_capture_s": round(graphs.capture_s, 2) if graphs is not None else None,
@@ -335,19 +371,19 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"{'batch':>5}{'context':>9}{'step ms':>10}{'tok/s':>10}{'weights ms':>12}"
         f"{'x weights':>11}{'matmuls ms':>12}{'KV ms':>8}{'floor ms':>10}{'x floor':>9}"
+        f"{'copy GB/s':>11}"
     ]
     for r in result["rows"]:
         lines.append(
             f"{r['batch']:>5}{r['context']:>9}{r['step_ms']:>10.2f}{r['tokens_per_s']:>10.1f}"
             f"{r['bound_weights_ms']:>12.2f}{r['over_weights_bound']:>11.2f}"
             f"{r['matmuls_ms']:>12.2f}{r['kv_ms']:>8.2f}{r['floor_ms']:>10.2f}"
-            f"{r['over_floor']:>9.2f}"
+            f"{r['over_floor']:>9.2f}{r['copy_bandwidth_bytes_per_s'] / 1e9:>11.1f}"
         )
     lines.append(
-        f"weights = weight bytes read / copy bandwidth "
-        f"({result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s measured, read + write); "
-        "floor = the step's matmuls alone (the faster of the stage's and F.linear) "
-        "+ KV bytes / copy bandwidth"
+        "weights = weight bytes read / copy bandwidth (copy GB/s: read + write, the median of "
+        "copies made among that batch's timed steps); floor = the step's matmuls alone (the "
+        "faster of the stage's and F.linear) + KV bytes / copy bandwidth"
     )
     return "\n".join(lines)
 

@@ -41,7 +41,8 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
         [
             "--model", str(random_model), "--dtype", "float32", "--batch-sizes", "1,3",
             "--context", "20",
-            "--steps", "3", "--threads", "1", "--copy-mib", "16", "--out", str(tmp_path),
+            "--steps", "3", "--rounds", "2", "--threads", "1", "--copy-mib", "16",
+            "--out", str(tmp_path),
         ]
     )  # fmt: skip
     assert code == 0
@@ -54,6 +55,14 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
     assert result["cuda_graph_sizes"] == []  # graphs are for CUDA stages
     assert not any(r["cuda_graph"] for r in result["rows"])
     for row in result["rows"]:
+        # 3 steps in 2 rounds: a copy before each round and one after the last; the bounds
+        # use their median
+        assert len(row["copy_bandwidths"]) == 3 and min(row["copy_bandwidths"]) > 0
+        assert row["copy_bandwidth_bytes_per_s"] == sorted(row["copy_bandwidths"])[1]
+        bandwidth = row["copy_bandwidth_bytes_per_s"]
+        assert row["bound_weights_ms"] == pytest.approx(  # (written to the ns)
+            1000 * row["weight_read_bytes"] / bandwidth, abs=1e-6
+        )
         assert row["weight_read_bytes"] == result["weight_bytes"] - embedding
         assert row["step_ms"] > 0 and row["bound_ms"] > row["bound_weights_ms"] > 0
         assert row["of_bound"] == pytest.approx(row["bound_ms"] / row["step_ms"], abs=2e-3)
@@ -76,7 +85,9 @@ def test_the_header_says_what_each_batch_reads():
 
 
 def test_bench_step_refuses_bad_arguments(capsys):
-    for bad in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--context", "0"]):
+    for bad in (
+        ["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--context", "0"], ["--rounds", "0"]
+    ):  # fmt: skip
         with pytest.raises(SystemExit) as exc:
             step_bench.parse_args(bad)
         assert exc.value.code == 2
