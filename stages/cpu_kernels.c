@@ -1037,6 +1037,8 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
         for (int64_t i = 0; i < (int64_t)M * N; i++) put_y(y, i, NAN, elem_bytes); /* loud */
         return;
     }
+    /* rows apart: a prefill's rows in parallel (serial, they were ~9% of an int8 prefill) */
+#pragma omp parallel for schedule(static) if (M >= 8)
     for (int mi = 0; mi < M; mi++) {
         const int64_t row = (int64_t)mi * K;
         float amax = 0.0f;
