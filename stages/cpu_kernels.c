@@ -2478,7 +2478,7 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
  * calls them one by one from Python, so the results are bit for bit the same; what goes is
  * the Python around nine kernel calls a layer (module calls, torch.empty, checks, ctypes:
  * ~70 us a layer, most of a single stream's step after its matmuls). stages/fused_layer.py
- * fills these structs once at load and calls ppr_decoder_layer once per layer per step. */
+ * fills these structs once at load and calls ppr_decoder_layers (every layer) once a step. */
 
 enum {
     PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6

@@ -5,8 +5,9 @@ SiLU): called one by one from Python, each pays for a module call, torch.empty, 
 ctypes call, ~70 us a layer on the 2-core EPYC, which at one row is as much time as a third of
 the layer's matmuls. Here the weights' pointers and shapes are put into C structs once, at
 load; a forward allocates its scratch once for all layers and makes one ctypes call for all of
-them. The C side runs the same kernels in the same order on the same values, so the output is bit
-for bit what DecoderLayer.forward computes (tests/stages/test_fused_layer.py holds it to that).
+them. The C side runs the same kernels in the same order on the same values, so the output is
+bit for bit what DecoderLayer.forward computes (tests/stages/test_fused_layer.py holds it to
+that).
 
 Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
 the kernels' layouts (not DenseLinear). `PPRING_FUSED_LAYERS=0` turns it off (to compare).
