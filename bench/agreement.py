@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +108,23 @@ def split_config(config: str) -> tuple[str, str, str]:
     return dtype, quantization, "bf16" if "exact" in flags else "int8"
 
 
+@contextmanager
+def grid_activations(value: str) -> Iterator[None]:
+    """PPRING_GRID_ACTIVATIONS set to `value` inside, as it was (or unset) after: a bf16
+    stage reads it while it loads, and the caller's setting outlives this bench."""
+    from stages.linear import GRID_ACTIVATIONS_ENV
+
+    before = os.environ.get(GRID_ACTIVATIONS_ENV)
+    os.environ[GRID_ACTIVATIONS_ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[GRID_ACTIVATIONS_ENV]
+        else:
+            os.environ[GRID_ACTIVATIONS_ENV] = before
+
+
 def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Batched greedy continuations of exactly `new_tokens` tokens (no EOS stop)."""
     from stages.batch import BLOCK_SIZE, SeqChunk, blocks_needed
@@ -182,8 +202,6 @@ def compare(reference: list[list[int]], candidate: list[list[int]], prefix: int)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import os
-
     from transformers import AutoTokenizer
 
     from launch.prepare_model import resolve_model
@@ -213,21 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[str, list[list[int]]] = {}
     timings: dict[str, float] = {}
     scores: dict[str, dict] = {}
-    from stages.linear import GRID_ACTIVATIONS_ENV
-
     for name in [args.reference, *args.candidates]:
         dtype, quantization, activations = split_config(name)
-        os.environ[GRID_ACTIVATIONS_ENV] = activations  # read as the stage loads
         resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
-        runner = StageRunner(
-            model_dir,
-            0,
-            config.num_layers,
-            kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved),
-            dtype=resolved,
-            num_threads=args.threads or os.cpu_count(),
-            quantization=quantization,
-        )
+        with grid_activations(activations):  # read as the stage loads its matrices
+            runner = StageRunner(
+                model_dir,
+                0,
+                config.num_layers,
+                kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved),
+                dtype=resolved,
+                num_threads=args.threads or os.cpu_count(),
+                quantization=quantization,
+            )
         runner.allocate_kv(blocks)
         begin = time.perf_counter()
         outputs[name] = greedy(runner, prompts, args.new_tokens)

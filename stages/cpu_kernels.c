@@ -2547,8 +2547,9 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
  * layer of the first stage), kv [2, slots, Hkv, D] this layer's cache. Writes residual_out
  * [T, d] (it may be residual_in itself) and h_out [T, d] (it may be h_in). Returns 0, or -1
  * when a kernel refused (a kind this build lacks, or no memory for a buffer). */
-int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_in,
-                      const void *residual_in, void *residual_out, void *kv, void *h_out) {
+static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_in,
+                             const void *residual_in, void *residual_out, void *kv,
+                             void *h_out) {
     const int T = s->num_tokens, eb = s->elem_bytes, D = L->head_dim;
     const int64_t qkv_row = (int64_t)(L->num_heads + 2 * L->num_kv_heads) * D;
     ppr_add_rms_norm(eb, h_in, residual_in, L->input_norm, residual_out, s->x, T, L->hidden,

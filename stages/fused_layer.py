@@ -242,7 +242,7 @@ class FusedLayers:
         kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
         res_in = None if residual is None else residual.data_ptr()
         self._call(
-            self._layers_at, len(self._layer_at), step_at, h.data_ptr(), res_in,
+            self._layers_at, len(self._layers), step_at, h.data_ptr(), res_in,
             residual_out.data_ptr(), kv_base, kv_stride, out.data_ptr(),
         )  # fmt: skip
         return out, residual_out
