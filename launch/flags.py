@@ -34,8 +34,8 @@ class Flag:
         return self.name.removeprefix("--").replace("-", "_")
 
 
-# A CPU ring of two or more stages: one async slot (none for stages that multiply by bf16 dot
-# products), 128-token prefill chunks (pipeline_defaults).
+# A CPU ring of two or more stages: one async slot (none for bf16 stages), 128-token prefill
+# chunks (pipeline_defaults).
 CPU_PIPELINE_DEFAULTS = {"pp_async_batch_depth": 1, "chunked_prefill_size": 128}
 CPU_BF16_ASYNC_BATCH_DEPTH = 0
 
@@ -174,37 +174,17 @@ def pipeline_defaults(args: argparse.Namespace) -> dict[str, int]:
     128 0.977x (every round its own best); that CPU computed in fp32, its weights streaming
     from memory.
 
-    Stages that multiply by bf16 dot products (vdpbf16ps: bf16 weights, or grid codes decoded
-    to bf16) keep depth 0: bound by vdpbf16ps, not memory, two slots of 16 rows beat three of
-    11 (fewer steps, each weight decoded once for more rows). Equal work on a Zen 4 EPYC, PP=2
-    alone, depth 1 against 0 alternated over 3 rounds, tok/s, with PPRING_GRID_ACTIVATIONS=bf16:
-    at 32 in flight 450 487 548 against 551 530 502, at 64 579 605 581 against 643 619 641.
-    A stage that multiplies GGUF codes by int8 activations (GridA8Linear, the default model's
-    way where the CPU has VNNI) streams its codes and gains from the slot, as fp32 does: at 32
-    in flight 706 763 765 against 677 749 638, at 64 837 840 835 against 804 746 793 (every
-    round its own best). The choice follows what each node resolves (dtype, CPU flags, the
-    model's source), so the rendezvous compares the resolved values (agreed_flags)."""
+    bf16 stages keep depth 0: their matmuls are bound by vdpbf16ps, not memory, and two slots
+    of 16 rows beat three of 11 (fewer steps, each weight decoded once for more rows). On a
+    Zen 4 EPYC, equal work, PP=2, depth 1 against 0 alternated over 3 rounds: at 32 in flight
+    350 382 397 against 485 415 438 tok/s; at 64, 455 465 422 against 457 543 488. (On a Zen 5
+    EPYC in bf16 the two had been level.) The choice follows the dtype each node resolves, so
+    the rendezvous compares the resolved values (agreed_flags)."""
     if args.pp_size >= 2 and args.device == "cpu" and args.stage_impl == "real":
-        if _multiplies_by_bf16_dots(args):
+        if _computes_in_bf16(args):
             return {**CPU_PIPELINE_DEFAULTS, "pp_async_batch_depth": CPU_BF16_ASYNC_BATCH_DEPTH}
         return CPU_PIPELINE_DEFAULTS
     return {"pp_async_batch_depth": 0, "chunked_prefill_size": RingConfig.chunked_prefill_size}
-
-
-def _multiplies_by_bf16_dots(args: argparse.Namespace) -> bool:
-    """Whether a CPU stage started with these flags multiplies by bf16 dot products: it
-    computes in bf16 without int8 weights, and it does not multiply a GGUF model's codes by
-    int8 activations (stages/linear.py int8_activations_expected)."""
-    if not _computes_in_bf16(args):
-        return False
-    from launch.prepare_model import converted_from_gguf
-    from stages.errors import ConfigError
-    from stages.linear import int8_activations_expected
-
-    try:
-        return not (converted_from_gguf(args.model) and int8_activations_expected())
-    except ConfigError:  # a bad PPRING_GRID_ACTIVATIONS: the stage says so at start-up
-        return True
 
 
 def _computes_in_bf16(args: argparse.Namespace) -> bool:

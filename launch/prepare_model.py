@@ -91,19 +91,6 @@ def resolve_model(model: str | None) -> Path:
     return path.resolve()
 
 
-def converted_from_gguf(model: str | None) -> bool:
-    """Whether `--model` (None: the default model) is a folder converted from a GGUF file, so
-    that its weights lie on a GGUF grid: the default model, or a folder whose marker names a
-    .gguf source. Reads one small file; prepares nothing."""
-    if model is None:
-        return True
-    try:
-        marker = json.loads((Path(model).expanduser() / MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and str(marker.get("source", "")).endswith(".gguf")
-
-
 def prepare_default_model(cache_dir: Path | None = None, quiet: bool = False) -> Path:
     """Return the default model's Hugging Face folder, installing and converting it on first use.
 

@@ -94,21 +94,16 @@ def _cuda(requested: str, device: torch.device, model_dtype: str) -> DtypeChoice
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[-1].split())
-
-
-@functools.cache
 def cpu_native_bf16() -> str | None:
     """The CPU feature that runs bf16 matmuls natively ("AMX" or "AVX-512 BF16"), or None.
     Read from /proc/cpuinfo's flags, else from torch's own CPU probe."""
-    flags = cpu_flags()
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+            flags = set(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
     if "amx_bf16" in flags:
         return "AMX"
     if "avx512_bf16" in flags:

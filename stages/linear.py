@@ -51,7 +51,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages import grid
-from stages.dtype import cpu_flags
 from stages.errors import ConfigError
 from stages.grid import GridCodes, GridPairs, GridQuads, quad_rows, rows_of
 from stages.native import PANEL, NativeKernels
@@ -330,18 +329,6 @@ def bf16_grid_way(kernels: NativeKernels) -> str:
     (GridA8Linear: needs VNNI, and PPRING_GRID_ACTIVATIONS not bf16) or "bf16"
     (GridBf16Linear)."""
     return "int8" if kernels.a8_dot and grid_activations() == "int8" else "bf16"
-
-
-def int8_activations_expected() -> bool:
-    """Whether a bf16 stage on this CPU would multiply a model's grid codes by int8
-    activations (`bf16_grid_way` "int8"), told without building the kernels: the a8 kernel's
-    instructions among the CPU's flags (it is compiled where -march=native has AVX512_BF16 and
-    AVX512_VNNI), grid weights on, and PPRING_GRID_ACTIVATIONS int8. For the defaults a
-    launcher picks before its stage loads (launch/flags.py); raises ConfigError as
-    `grid_activations` does."""
-    if not grid.enabled() or grid_activations() != "int8":
-        return False
-    return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
 def _grid_a8_linear(

