@@ -80,6 +80,8 @@ class NativeKernels:
         lib.ppr_grid_codes.argtypes += [ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [ctypes.c_int] + [_vp] * 4 + [ctypes.c_int] * 3
+        lib.ppr_quantize_rows_q16.restype = ctypes.c_int
+        lib.ppr_quantize_rows_q16.argtypes = [ctypes.c_int, _vp] + [ctypes.c_int] * 2 + [_vp] * 2
         lib.ppr_has_bf16_dot.restype = ctypes.c_int
         # vdpbf16ps: a bf16 stage's matmuls run here (ppr_linear_bf16) instead of in oneDNN
         self.bf16_dot = bool(lib.ppr_has_bf16_dot())
@@ -319,6 +321,19 @@ class NativeKernels:
             m, n, k,
         )  # fmt: skip
         return y
+
+    def quantize_rows_q16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [M, K] fp32 or bf16 -> (xq [M, K] int16, scales [M] fp32): each row rounded as
+        linear_int8 rounds it before multiplying; None where this build's int8 matmul widens
+        to fp32 instead (no AVX2)."""
+        x = x.contiguous()
+        _check(x, x)
+        m, k = x.shape
+        xq, scales = torch.empty(m, k, dtype=torch.int16), torch.empty(m)
+        ok = self._lib.ppr_quantize_rows_q16(
+            _ELEM_BYTES[x.dtype], x.data_ptr(), m, k, xq.data_ptr(), scales.data_ptr()
+        )
+        return (xq, scales) if ok == 0 else None
 
     def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] bf16 -> panels [ceil(N / 16), ceil(K / 2), 16, 2]: panels[p, i, j, e] =

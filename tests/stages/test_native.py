@@ -94,6 +94,32 @@ def test_linear_int8_matches_its_dequantized_weights(
         assert (error <= 2**-8 * expected.abs() + 1e-3 * expected.abs().max()).all()
 
 
+@pytest.mark.parametrize("k", [1, 9, 16, 33, 576, 1536])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_round_to_int16_as_lrintf_does(
+    kernels: native.NativeKernels, k: int, dtype: torch.dtype
+) -> None:
+    # The vectorized rounding (16 values an instruction, then a scalar tail) against the rule
+    # it implements: scale = max |x| / 32767 (1 for a zero row), x * (1 / scale) rounded to the
+    # nearest, ties to even, in fp32.
+    torch.manual_seed(k)
+    x = (torch.randn(11, k) * torch.logspace(-3, 3, 11)[:, None]).to(dtype)
+    x[3] = 0.0  # a zero row
+    x[4, 0] = 0.5 * x[4].float().abs().max()  # not the max: an exact half step somewhere
+    got = kernels.quantize_rows_q16(x)
+    if got is None:
+        pytest.skip("this build's int8 matmul widens to fp32 (no AVX2)")
+    xq, scales = got
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    expected_scales = torch.where(amax > 0, amax / 32767.0, torch.ones_like(amax))
+    inv = 1.0 / expected_scales  # fp32, as the kernel's 1.0f / scale
+    expected = torch.round(xf * inv[:, None]).to(torch.int16)  # torch.round: ties to even
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(xq, expected)
+    assert xq.abs().max().item() <= 32767
+
+
 def test_the_native_build_multiplies_bf16_where_the_cpu_can() -> None:
     # a bf16 stage on such a CPU runs every matmul in the packed kernel: a build that lost it
     # (a wrong guard) would fall back to oneDNN silently, slower and batch-dependent
