@@ -1062,8 +1062,8 @@ static float quantize_row_q16(const void *x, int elem_bytes, int K, int16_t *xq)
 }
 
 /* Rows x [M, K] (fp32 or bf16) rounded to int16 xq [M, K], each with its scale, scales [M], as
- * ppr_linear_int8 rounds its input (exported for the tests; 0). A prefill's rows in parallel
- * (on one thread they were ~9% of an int8 prefill of 128 tokens). */
+ * ppr_linear_int8 rounds its input (exported for the tests); returns 0. A prefill's rows in
+ * parallel (on one thread they were ~9% of an int8 prefill of 128 tokens). */
 int ppr_quantize_rows_q16(int elem_bytes, const void *x, int M, int K, int16_t *xq,
                           float *scales) {
 #pragma omp parallel for schedule(static) if (M >= 8)
@@ -2328,8 +2328,9 @@ static inline __attribute__((always_inline)) void a8_fetch(const uint8_t *next, 
  * hardware, whose streams restart at each unit. All of SmolLM2's matmuls, C harness, 2
  * threads, alternated rounds, medians of this against none: 1 row 0.90-0.97x (4 runs), 4 rows
  * 0.96x, 16 rows 0.97x, 32 rows 0.98x; one thread, 16 rows, 0.99x. In whole decode steps
- * (StageRunner.run, 6 s each, alternated): 1 row 4.91 -> 4.84 ms (medians of 6), but 32 rows
- * 37.0 -> 38.4 (8 rounds, 5 slower): so only below 8 rows, where the stream is the cost. */
+ * (StageRunner.run, 6 s each, alternated): 1 row 4.63 -> 4.49 ms (medians of 8, each pair
+ * faster), but 32 rows 37.0 -> 38.4 (5 of 8 pairs slower): so only below 8 rows, where the
+ * weight stream is the cost. */
 static inline void a8_fetch_scales(const uint16_t *d, const uint16_t *m, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) {
         _mm_prefetch((const char *)d + b, _MM_HINT_T1);
