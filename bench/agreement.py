@@ -25,10 +25,9 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # Twenty everyday chat prompts: questions, instructions, small tasks.
 PROMPTS = [
@@ -106,23 +105,6 @@ def split_config(config: str) -> tuple[str, str, str]:
             f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact"
         )
     return dtype, quantization, "bf16" if "exact" in flags else "int8"
-
-
-@contextmanager
-def grid_activations(value: str) -> Iterator[None]:
-    """PPRING_GRID_ACTIVATIONS set to `value` inside, as it was (or unset) after: a bf16
-    stage reads it while it loads, and the caller's setting outlives this bench."""
-    from stages.linear import GRID_ACTIVATIONS_ENV
-
-    before = os.environ.get(GRID_ACTIVATIONS_ENV)
-    os.environ[GRID_ACTIVATIONS_ENV] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[GRID_ACTIVATIONS_ENV]
-        else:
-            os.environ[GRID_ACTIVATIONS_ENV] = before
 
 
 def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -231,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[str, list[list[int]]] = {}
     timings: dict[str, float] = {}
     scores: dict[str, dict] = {}
+    from stages.linear import GRID_ACTIVATIONS_ENV
+
     for name in [args.reference, *args.candidates]:
         dtype, quantization, activations = split_config(name)
         resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
-        with grid_activations(activations):  # read as the stage loads its matrices
+        # read as the stage loads its matrices; the caller's setting is back after the load
+        with mock.patch.dict(os.environ, {GRID_ACTIVATIONS_ENV: activations}):
             runner = StageRunner(
                 model_dir,
                 0,

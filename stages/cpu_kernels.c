@@ -354,8 +354,8 @@ static inline __m512 hsum16x16(const __m512 *a) {
                          _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
 }
 
-/* sixteen K or V values from p (bf16 or fp32) as fp32 */
-static inline __m512 kv16_load(const void *p, int bf16) {
+/* sixteen values from p (bf16 or fp32) as fp32: K or V rows, an int8 matmul's input rows */
+static inline __m512 f32x16_load(const void *p, int bf16) {
     if (bf16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -389,7 +389,7 @@ static inline __attribute__((always_inline)) __m512 page_scores_avx512(
 #pragma GCC unroll 16
         for (int j = 0; j < PAGE; j++)
             a[j] = _mm512_fmadd_ps(
-                qc, kv16_load((const char *)kp + (j * kstride + c) * esize, bf16), a[j]);
+                qc, f32x16_load((const char *)kp + (j * kstride + c) * esize, bf16), a[j]);
     }
     (void)scale;
     return hsum16x16(a);
@@ -408,7 +408,7 @@ static inline __attribute__((always_inline)) void page_values_avx512(
         for (int j = 0; j < lim; j++) {
             const char *v = (const char *)vp + (j * kstride + c) * esize;
             __m512 vv[4];
-            for (int i = 0; i < 4; i++) vv[i] = kv16_load(v + 16 * i * esize, bf16);
+            for (int i = 0; i < 4; i++) vv[i] = f32x16_load(v + 16 * i * esize, bf16);
             for (int h = 0; h < NH; h++) {
                 const __m512 ph = _mm512_set1_ps(p[h][j]);
                 for (int i = 0; i < 4; i++) o[h][i] = _mm512_fmadd_ps(ph, vv[i], o[h][i]);
@@ -1022,15 +1022,6 @@ static inline float get_x(const void *x, int64_t i, int elem_bytes) {
     return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
 }
 
-#ifdef __AVX512F__
-/* 16 values of x from index i, fp32 or bf16 (elem_bytes 4 or 2), as fp32 */
-static inline __m512 load16_as_f32(const void *x, int64_t i, int elem_bytes) {
-    if (elem_bytes == 4) return _mm512_loadu_ps((const float *)x + i);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-#endif
-
 /* One row x [K] (fp32 or bf16) rounded to int16, xq [K], with its scale max |x| / 32767 (1 for
  * a zero row), returned: x * (1 / scale) to the nearest, ties to even (lrintf's rounding; the
  * vector conversion's too). With AVX-512 sixteen values an instruction: a single stream's int8
@@ -1038,10 +1029,10 @@ static inline __m512 load16_as_f32(const void *x, int64_t i, int elem_bytes) {
 static float quantize_row_q16(const void *x, int elem_bytes, int K, int16_t *xq) {
     float amax = 0.0f;
     int k = 0;
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512_ATTENTION /* (AVX512F and BW: f32x16_load) */
     __m512 vmax = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) /* max_ps returns its second operand for a NaN, as below */
-        vmax = _mm512_max_ps(_mm512_abs_ps(load16_as_f32(x, k, elem_bytes)), vmax);
+        vmax = _mm512_max_ps(_mm512_abs_ps(f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2)), vmax);
     amax = _mm512_reduce_max_ps(vmax);
 #endif
     for (; k < K; k++) {
@@ -1050,10 +1041,10 @@ static float quantize_row_q16(const void *x, int elem_bytes, int K, int16_t *xq)
     }
     const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / scale;
     k = 0;
-#ifdef __AVX512F__
+#ifdef HAVE_AVX512_ATTENTION
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; k + 16 <= K; k += 16) { /* |x| * inv <= 32767.5: the narrowing never saturates */
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16_as_f32(x, k, elem_bytes), vinv));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2), vinv));
         _mm256_storeu_si256((__m256i *)(xq + k), _mm512_cvtsepi32_epi16(q));
     }
 #endif

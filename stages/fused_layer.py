@@ -172,7 +172,6 @@ class FusedLayers:
         # back to back, as ppr_decoder_layers walks them; kept alive: C reads them
         self._layers = (_Layer * len(layer_structs))(*layer_structs)
         self._layers_at = ctypes.addressof(self._layers)
-        self._layer_at = [self._layers_at + i * ctypes.sizeof(_Layer) for i in range(len(layers))]
 
     @classmethod
     def build(
@@ -263,9 +262,10 @@ class FusedLayers:
         )  # fmt: skip
 
         alive = (x_hidden, x_attn, x_act, y)  # the kernels read raw pointers into these
+        layer_at = [ctypes.addressof(layer) for layer in self._layers]
 
         def run(_: tuple[torch.Tensor, ...] = alive) -> None:
-            for layer_at in self._layer_at:
-                self._matmuls(layer_at, *args)
+            for at in layer_at:
+                self._matmuls(at, *args)
 
         return run
