@@ -362,27 +362,13 @@ static inline __m512 f32x16_load(const void *p, int bf16) {
     return _mm512_loadu_ps(p);
 }
 
-/* scores of query q against the page's 16 keys (lane j: key j), before masking. bf16 with
- * AVX512_BF16: q is the raw bf16 query and vdpbf16ps multiplies bf16 pairs exactly into fp32
- * sums (the scale comes after); otherwise q is the fp32 query times the scale. */
+/* scores of the fp32 query q (times the scale) against the page's 16 keys (lane j: key j),
+ * before masking. (Where this build has AVX512_BF16, a bf16 cache is held as pairs and scored
+ * by page_scores_pairs.) */
 static inline __attribute__((always_inline)) __m512 page_scores_avx512(
-    int bf16, const void *q, const void *kp, int64_t kstride, int D, float scale) {
+    int bf16, const float *qf, const void *kp, int64_t kstride, int D) {
     __m512 a[PAGE];
     for (int j = 0; j < PAGE; j++) a[j] = _mm512_setzero_ps();
-#ifdef HAVE_BF16_DOT
-    if (bf16) {
-        const uint16_t *qb = (const uint16_t *)q, *kb = (const uint16_t *)kp;
-        for (int c = 0; c < D; c += 32) {
-            const __m512bh qc = (__m512bh)_mm512_loadu_si512(qb + c);
-#pragma GCC unroll 16
-            for (int j = 0; j < PAGE; j++)
-                a[j] = _mm512_dpbf16_ps(a[j], qc,
-                                        (__m512bh)_mm512_loadu_si512(kb + j * kstride + c));
-        }
-        return _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale));
-    }
-#endif
-    const float *qf = (const float *)q;
     const int esize = bf16 ? 2 : 4;
     for (int c = 0; c < D; c += 16) {
         const __m512 qc = _mm512_loadu_ps(qf + c);
@@ -391,7 +377,6 @@ static inline __attribute__((always_inline)) __m512 page_scores_avx512(
             a[j] = _mm512_fmadd_ps(
                 qc, f32x16_load((const char *)kp + (j * kstride + c) * esize, bf16), a[j]);
     }
-    (void)scale;
     return hsum16x16(a);
 }
 
@@ -451,7 +436,8 @@ static inline __attribute__((always_inline)) void page_scores_pairs(
  * slots' values. p[h] is 0 from lim on; a slot past lim may hold anything (NaN), so the pair
  * that straddles lim has its second slot's values zeroed. */
 static inline __attribute__((always_inline)) void page_values_pairs(
-    const int NH, const uint16_t (*pb)[PAGE], const uint16_t *vt, int lim, int D, float *acc) {
+    const int NH, const uint16_t *pb, int64_t pb_stride, const uint16_t *vt, int lim, int D,
+    float *acc) {
     const int num_pairs = (lim + 1) / 2;
     for (int c = 0; c < D; c += 64) {
         __m512 o[4][4];
@@ -467,7 +453,7 @@ static inline __attribute__((always_inline)) void page_values_pairs(
             }
             for (int h = 0; h < NH; h++) {
                 int32_t pair; /* p[h][2 kp], p[h][2 kp + 1] */
-                memcpy(&pair, &pb[h][2 * kp], 4);
+                memcpy(&pair, pb + h * pb_stride + 2 * kp, 4);
                 const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
                 for (int i = 0; i < 4; i++) o[h][i] = _mm512_dpbf16_ps(o[h][i], vv[i], pp);
             }
@@ -479,37 +465,21 @@ static inline __attribute__((always_inline)) void page_values_pairs(
 #endif
 
 /* nq query vectors of one query row (heads of one KV group: they see the same lim keys) against
- * one page, with the online-softmax update of each one's m, l and acc [nq, D]. q holds the
- * queries (bf16 raw or fp32 scaled, see page_scores_avx512) q_stride bytes apart. D is a
- * multiple of 64. */
-static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t q_stride,
-                                     const void *kp, const void *vp, int64_t kstride, int lim,
-                                     int D, int nq, float scale, float *m, float *l, float *acc,
-                                     const PagePrefetch *pf, int *call, int num_calls) {
+ * one page, with the online-softmax update of each one's m, l and acc [nq, D]. q holds the fp32
+ * queries, scaled, q_stride bytes apart. D is a multiple of 64. (A bf16 cache held as pairs
+ * takes runs of pages instead: group_run_pairs.) */
+static inline void group_page_avx512(int bf16, const float *q, const void *kp, const void *vp,
+                                     int64_t kstride, int lim, int D, int nq, float *m, float *l,
+                                     float *acc, const PagePrefetch *pf, int *call,
+                                     int num_calls) {
     const __mmask16 valid = lim >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim) - 1);
-    float p[4][PAGE];     /* the page's probabilities, per head */
-    uint16_t pb[4][PAGE]; /* the same rounded to bf16, where pairs */
+    float p[4][PAGE]; /* the page's probabilities, per head */
     for (int h0 = 0; h0 < nq; h0 += 4) {
         const int nh = nq - h0 < 4 ? nq - h0 : 4;
-        __m512 scores[4];
-#ifdef HAVE_BF16_DOT
-        if (pairs) { /* bf16, raw queries */
-            const uint16_t *qh = (const uint16_t *)((const char *)q + h0 * q_stride);
-            const int64_t qs = q_stride / 2;
-            const uint16_t *kt = (const uint16_t *)kp;
-            switch (nh) {
-            case 1: page_scores_pairs(1, qh, qs, kt, D, scale, scores); break;
-            case 2: page_scores_pairs(2, qh, qs, kt, D, scale, scores); break;
-            case 3: page_scores_pairs(3, qh, qs, kt, D, scale, scores); break;
-            default: page_scores_pairs(4, qh, qs, kt, D, scale, scores); break;
-            }
-        }
-#endif
         for (int h = 0; h < nh; h++) {
             const int r = h0 + h;
-            const char *qr = (const char *)q + r * q_stride;
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
-            __m512 sc = pairs ? scores[h] : page_scores_avx512(bf16, qr, kp, kstride, D, scale);
+            __m512 sc = page_scores_avx512(bf16, q + r * D, kp, kstride, D);
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
             sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
             const float page_max = _mm512_reduce_max_ps(sc);
@@ -526,27 +496,9 @@ static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t
             const __m512 pv = _mm512_maskz_mov_ps(
                 valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
             l[r] += _mm512_reduce_add_ps(pv);
-#ifdef HAVE_BF16_DOT
-            if (pairs) {
-                _mm256_storeu_si256((__m256i *)pb[h], (__m256i)_mm512_cvtneps_pbh(pv));
-                continue;
-            }
-#endif
             _mm512_storeu_ps(p[h], pv);
         }
         float *a = acc + h0 * D;
-#ifdef HAVE_BF16_DOT
-        if (pairs) {
-            const uint16_t *vt = (const uint16_t *)vp;
-            switch (nh) {
-            case 1: page_values_pairs(1, pb, vt, lim, D, a); break;
-            case 2: page_values_pairs(2, pb, vt, lim, D, a); break;
-            case 3: page_values_pairs(3, pb, vt, lim, D, a); break;
-            default: page_values_pairs(4, pb, vt, lim, D, a); break;
-            }
-            continue;
-        }
-#endif
         switch (nh) {
         case 1: page_values_avx512(1, bf16, p, vp, kstride, lim, D, a); break;
         case 2: page_values_avx512(2, bf16, p, vp, kstride, lim, D, a); break;
@@ -555,6 +507,110 @@ static inline void group_page_avx512(int bf16, int pairs, const void *q, int64_t
         }
     }
 }
+#ifdef HAVE_BF16_DOT
+/* Over pairs, a KV group's heads take PAGE_RUN pages a call: first every page's scores
+ * (independent of each other), then page after page the running maximum, the rescale and the
+ * probabilities, then page after page the values. A page at a time, each page's values waited
+ * on its maximum, exponentials and sums, a chain the next page's loads could not overlap. The
+ * arithmetic is still a page at a time, operation for operation (a maximum a page, the sums
+ * rescaled before each page's values are added): the results are those of one page a call, bit
+ * for bit (checked on the default model's 30 layers), at every batch size. A maximum a run
+ * instead (as torch's flash attention takes one per 512 keys) moved the default model's bf16
+ * logits by a rounding's worth, enough to turn its answer to "What is the capital of France?"
+ * from "The capital of France is Paris." into a French non-answer. Default model, Zen 4 EPYC,
+ * 2 threads, one page a call against runs of 2 alternated in one process (blocks of steps): one
+ * decode at context 512-544 0.982x the step (faster in 62 of 85 blocks), at 2048 0.940x (60 of
+ * 62); 32 decodes at 256-288 0.964x and 0.980x (two runs); a 512-token prefill 0.938x. Runs of
+ * 4 were slower at 32 decodes (1.03x: with 3 KV groups a task, the scores outgrow the
+ * registers). */
+#define PAGE_RUN 2
+
+/* The next run's pages, fetched a slice per call as prefetch_slice does one page's. */
+typedef struct {
+    const char *k[PAGE_RUN], *v[PAGE_RUN]; /* each page's first line of the task's heads */
+    int num_pages, page_lines;             /* pages; lines of one page's K (as of its V) */
+} RunPrefetch;
+
+static inline void prefetch_run_slice(const RunPrefetch *pf, int call, int num_calls) {
+    const int lines = pf->num_pages * pf->page_lines;
+    const int l0 = (int)((int64_t)lines * call / num_calls);
+    int l1 = (int)((int64_t)lines * (call + 1) / num_calls);
+    if (l1 > lines) l1 = lines;
+    int j = l0 / pf->page_lines, col = l0 - j * pf->page_lines; /* one division a call */
+    for (int ln = l0; ln < l1; ln++) {
+        __builtin_prefetch(pf->k[j] + col * 64, 0, 2);
+        __builtin_prefetch(pf->v[j] + col * 64, 0, 2);
+        __asm__ volatile("");
+        if (++col == pf->page_lines) col = 0, j++;
+    }
+}
+
+/* nq raw bf16 queries (q_stride elements apart: the heads of one KV group on one query row)
+ * against np <= PAGE_RUN pages held as pairs: kt[j] and vt[j] the group's K and V on page j, of
+ * which the row sees lim[j] keys (1 to 16), with the online-softmax update of each query's m,
+ * l and acc [nq, D]. pf (NULL: none): the next run, a slice fetched before each page's
+ * scores and values (*call counts the task's calls on this run, num_calls all of them). */
+static inline void group_run_pairs(const uint16_t *q, int64_t q_stride, const uint16_t *const *kt,
+                                   const uint16_t *const *vt, const int *lim, int np, int D,
+                                   int nq, float scale, float *m, float *l, float *acc,
+                                   const RunPrefetch *pf, int *call, int num_calls) {
+    for (int h0 = 0; h0 < nq; h0 += 4) {
+        const int nh = nq - h0 < 4 ? nq - h0 : 4;
+        const uint16_t *qh = q + h0 * q_stride;
+        __m512 scores[PAGE_RUN][4];
+        float correction[PAGE_RUN][4]; /* the sums' rescale before page j's values; 1: none */
+        uint16_t pb[PAGE_RUN][4][PAGE]; /* page j's probabilities per head, rounded to bf16 */
+        for (int j = 0; j < np; j++) {
+            if (pf) prefetch_run_slice(pf, (*call)++, num_calls);
+            switch (nh) {
+            case 1: page_scores_pairs(1, qh, q_stride, kt[j], D, scale, scores[j]); break;
+            case 2: page_scores_pairs(2, qh, q_stride, kt[j], D, scale, scores[j]); break;
+            case 3: page_scores_pairs(3, qh, q_stride, kt[j], D, scale, scores[j]); break;
+            default: page_scores_pairs(4, qh, q_stride, kt[j], D, scale, scores[j]); break;
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            const __mmask16 valid =
+                lim[j] >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim[j]) - 1);
+            for (int h = 0; h < nh; h++) {
+                const int r = h0 + h;
+                /* keys past lim may hold anything (NaN) */
+                const __m512 sc =
+                    _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores[j][h]);
+                const float page_max = _mm512_reduce_max_ps(sc);
+                correction[j][h] = 1.0f;
+                if (page_max > m[r]) {
+                    correction[j][h] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - page_max);
+                    l[r] *= correction[j][h];
+                    m[r] = page_max;
+                }
+                const __m512 pv = _mm512_maskz_mov_ps(
+                    valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
+                l[r] += _mm512_reduce_add_ps(pv);
+                _mm256_storeu_si256((__m256i *)pb[j][h], (__m256i)_mm512_cvtneps_pbh(pv));
+            }
+        }
+        float *a = acc + h0 * D;
+        for (int j = 0; j < np; j++) {
+            if (pf) prefetch_run_slice(pf, (*call)++, num_calls);
+            for (int h = 0; h < nh; h++)
+                if (correction[j][h] != 1.0f) {
+                    const __m512 cv = _mm512_set1_ps(correction[j][h]);
+                    float *ar = a + h * D;
+                    for (int d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
+                }
+            const uint16_t *pj = pb[j][0];
+            switch (nh) {
+            case 1: page_values_pairs(1, pj, PAGE, vt[j], lim[j], D, a); break;
+            case 2: page_values_pairs(2, pj, PAGE, vt[j], lim[j], D, a); break;
+            case 3: page_values_pairs(3, pj, PAGE, vt[j], lim[j], D, a); break;
+            default: page_values_pairs(4, pj, PAGE, vt[j], lim[j], D, a); break;
+            }
+        }
+    }
+}
+#endif
 #endif
 
 /* whether attention runs group_page_avx512 (the heads of a KV group taking each page together)
@@ -626,14 +682,11 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
 #ifdef HAVE_AVX2_ATTENTION
     const int use_avx2 = D % 8 == 0;
 #endif
-    int raw_q = 0; /* vdpbf16ps reads the bf16 queries where they are: no fp32 copy in qv */
 #ifdef HAVE_AVX512_ATTENTION
     const int use_avx512 = avx512_attention(D);
-#ifdef HAVE_BF16_DOT
-    raw_q = use_avx512 && elem_bytes == 2;
 #endif
-#endif
-    const int pairs = kv_as_pairs(elem_bytes, D); /* (then use_avx512 and raw_q hold too) */
+    /* pairs: vdpbf16ps reads the bf16 queries where they are (group_run_pairs), no fp32 copy */
+    const int pairs = kv_as_pairs(elem_bytes, D);
 
     for (int i = 0; i < task->nrows; i++) {
         const int64_t t = q_start[s_idx] + task->row0 + i;
@@ -643,7 +696,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
             if (elem_bytes == 4) {
                 const float *src = (const float *)q + off;
                 for (int d = 0; d < D; d++) qv[r * D + d] = src[d] * scale;
-            } else if (!raw_q) { /* (the raw path reads the bf16 query where it is) */
+            } else if (!pairs) {
                 const uint16_t *src = (const uint16_t *)q + off;
                 for (int d = 0; d < D; d++) qv[r * D + d] = bf16_load(src[d]) * scale;
             }
@@ -656,12 +709,50 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
     const int last_pos = first_pos + task->row0 + task->nrows - 1;
     const int num_pages = last_pos / PAGE + 1;
     const int64_t span_bytes = (int64_t)num_groups * D * elem_bytes; /* a slot's task heads */
-    /* (pairs: the task's heads of a page are PAGE * D values each, back to back, in K and V) */
-    PagePrefetch pf = {NULL, NULL, pairs ? span_bytes : row_stride * elem_bytes,
-                       (int)((span_bytes + 63) / 64), 0};
+    PagePrefetch pf = {NULL, NULL, row_stride * elem_bytes, (int)((span_bytes + 63) / 64), 0};
     pf.lines = PAGE * pf.lines_per_row;
-    const int head_step = pairs ? PAGE : 1; /* a head's offset in a page, in units of D */
     const int first_row_pos = first_pos + task->row0;
+#ifdef HAVE_BF16_DOT
+    if (pairs) { /* runs of PAGE_RUN pages (group_run_pairs), the next run fetched meanwhile */
+        const int head_blocks = (nh + 3) / 4; /* group_run_pairs' blocks of up to four heads */
+        for (int page = 0; page < num_pages; page += PAGE_RUN) {
+            const int run_pages = num_pages - page < PAGE_RUN ? num_pages - page : PAGE_RUN;
+            const int key0 = page * PAGE, next = page + PAGE_RUN;
+            const int rows_before = key0 > first_row_pos ? key0 - first_row_pos : 0;
+            RunPrefetch run = {{NULL}, {NULL}, 0, (int)(PAGE * span_bytes / 64)};
+            for (int j = 0; j < PAGE_RUN && next + j < num_pages; j++, run.num_pages++) {
+                run.k[j] = (const char *)kv + ((int64_t)blocks[next + j] * PAGE * Hkv +
+                                               (int64_t)task->g0 * PAGE) * D * elem_bytes;
+                run.v[j] = run.k[j] + v_offset * elem_bytes;
+            }
+            /* the calls this run makes: two a page per block of heads, rows before it none */
+            const int num_calls = (task->nrows - rows_before) * num_groups * 2 * run_pages *
+                                  head_blocks;
+            int call = 0;
+            for (int g = task->g0; g < task->g1; g++) {
+                const uint16_t *kt[PAGE_RUN], *vt[PAGE_RUN];
+                for (int j = 0; j < run_pages; j++) {
+                    kt[j] = (const uint16_t *)kv +
+                            ((int64_t)blocks[page + j] * PAGE * Hkv + (int64_t)g * PAGE) * D;
+                    vt[j] = kt[j] + v_offset;
+                }
+                for (int i = rows_before; i < task->nrows; i++) {
+                    const int r = (i * num_groups + (g - task->g0)) * nh; /* its first head */
+                    int lim[PAGE_RUN], np = 0; /* the pages of the run the row sees */
+                    for (; np < run_pages && pos[r] + 1 > key0 + np * PAGE; np++) {
+                        const int seen = pos[r] + 1 - (key0 + np * PAGE);
+                        lim[np] = seen > PAGE ? PAGE : seen;
+                    }
+                    const int64_t t = q_start[s_idx] + task->row0 + i;
+                    const uint16_t *qr = (const uint16_t *)q +
+                                         query_offset(task, t, (g - task->g0) * nh, G, H, D);
+                    group_run_pairs(qr, D, kt, vt, lim, np, D, nh, scale, &m[r], &l[r],
+                                    acc + r * D, run.num_pages ? &run : NULL, &call, num_calls);
+                }
+            }
+        }
+    } else
+#endif
     for (int page = 0; page < num_pages; page++) {
         const int key0 = page * PAGE;
         const int nk = last_pos + 1 - key0 < PAGE ? last_pos + 1 - key0 : PAGE;
@@ -671,7 +762,7 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
         const int prefetching = page + 1 < num_pages;
         if (prefetching) {
             pf.k = (const char *)kv +
-                   ((int64_t)blocks[page + 1] * PAGE * Hkv + (int64_t)task->g0 * head_step) * D *
+                   ((int64_t)blocks[page + 1] * PAGE * Hkv + task->g0) * D *
                        elem_bytes;
             pf.v = pf.k + v_offset * elem_bytes;
         }
@@ -680,23 +771,16 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
             const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
 #ifdef HAVE_AVX512_ATTENTION
             if (use_avx512) {
-                const char *kb =
-                    (const char *)kv +
-                    ((int64_t)blocks[page] * PAGE * Hkv + (int64_t)g * head_step) * D * elem_bytes;
+                const char *kb = (const char *)kv + base * elem_bytes;
                 for (int i = 0; i < task->nrows; i++) {
                     const int r = (i * num_groups + (g - task->g0)) * nh; /* its first head */
                     int lim = pos[r] + 1 - key0;
                     if (lim <= 0) continue;
                     if (lim > nk) lim = nk;
-                    const int64_t t = q_start[s_idx] + task->row0 + i;
-                    const void *qr =
-                        raw_q ? (const void *)((const uint16_t *)q +
-                                               query_offset(task, t, (g - task->g0) * nh, G, H, D))
-                              : (const void *)(qv + r * D);
-                    group_page_avx512(elem_bytes == 2, pairs, qr, (int64_t)D * (raw_q ? 2 : 4),
-                                      kb, kb + v_offset * elem_bytes, row_stride, lim, D, nh,
-                                      raw_q ? scale : 1.0f, &m[r], &l[r], acc + r * D,
-                                      prefetching ? &pf : NULL, &call, calls_per_page);
+                    group_page_avx512(elem_bytes == 2, qv + r * D, kb,
+                                      kb + v_offset * elem_bytes, row_stride, lim, D, nh, &m[r],
+                                      &l[r], acc + r * D, prefetching ? &pf : NULL, &call,
+                                      calls_per_page);
                 }
                 continue;
             }

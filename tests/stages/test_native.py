@@ -20,6 +20,9 @@ from stages.ops import NativeOps, TorchOps
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
 # has AVX-512 (where -march=native takes the AVX-512 paths instead).
 AVX2_CFLAGS = (*native.PORTABLE_CFLAGS, "-mavx2", "-mfma", "-mf16c")
+# AVX-512 without BF16 and VNNI (a Skylake-SP's level): attention by KV group over fp32
+# queries, bf16 caches held as rows, not pairs; also checked where the CPU has more.
+AVX512_CFLAGS = (*AVX2_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 
 
 def build_kernels(flags: tuple[str, ...], folder: Path) -> native.NativeKernels:
@@ -28,13 +31,14 @@ def build_kernels(flags: tuple[str, ...], folder: Path) -> native.NativeKernels:
     return native.NativeKernels(native.compile_kernels(folder / "cpu_kernels.so", compiler, flags))
 
 
-@pytest.fixture(scope="module", params=["native", "portable", "avx2"])
+@pytest.fixture(scope="module", params=["native", "portable", "avx2", "avx512"])
 def kernels(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> native.NativeKernels:
     """The kernels as a stage builds them (-march=native: AVX2 or AVX-512 where the CPU has
-    them), built for the compiler's baseline (the portable C paths), and for AVX2 alone where
-    the CPU runs it, so each level's paths are checked on every machine that can run them."""
+    them), built for the compiler's baseline (the portable C paths), for AVX2 alone and for
+    AVX-512 without BF16 where the CPU runs them, so each level's paths are checked on every
+    machine that can run them."""
     if request.param == "native":
         built = native.kernels()
         assert built is not None, native.unavailable_reason()  # CI has gcc: they must build
@@ -43,6 +47,12 @@ def kernels(
         if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma"):
             pytest.skip("this CPU does not run AVX2 + FMA")
         return build_kernels(AVX2_CFLAGS, tmp_path_factory.mktemp("avx2"))
+    if request.param == "avx512":
+        if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has(
+            "avx512f", "avx512bw", "avx512vl", "avx512dq"
+        ):
+            pytest.skip("this CPU does not run AVX-512")
+        return build_kernels(AVX512_CFLAGS, tmp_path_factory.mktemp("avx512"))
     return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
 
 
@@ -234,6 +244,52 @@ def test_paged_attention_matches_a_plain_softmax(
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert not got.isnan().any()
     assert (got.double() - expected).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 16)])
+def test_paged_attention_of_a_row_does_not_depend_on_its_batch(
+    kernels: native.NativeKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # The kernel splits its work by batch (one sequence: a task per KV head; many: every head
+    # of a sequence in one task) and walks a context in runs of pages (where a bf16 cache is
+    # held as pairs). A row must come out bit for bit the same alone, in a batch of decodes,
+    # and as a row of a prefill chunk that reaches the same position.
+    torch.manual_seed(heads + head_dim)
+    lengths = [1, 15, 16, 17, 31, 33, 64, 65, 100, 200, 513]
+    tables, next_block = [], 0
+    for n in lengths:
+        need = -(-n // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + need))[::-1])  # scattered pages
+        next_block += need
+    kv = kernels.to_cache_layout(
+        torch.randn(2, next_block * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
+    )
+    width = max(len(t) for t in tables)
+    i32 = torch.int32
+
+    def attend(seqs: list[int], q: torch.Tensor, q_len: list[int]) -> torch.Tensor:
+        starts = [sum(q_len[:i]) for i in range(len(seqs))]
+        return kernels.paged_attention(
+            q,
+            kv,
+            torch.tensor(starts, dtype=i32),
+            torch.tensor(q_len, dtype=i32),
+            torch.tensor([lengths[s] for s in seqs], dtype=i32),
+            torch.tensor([tables[s] + [0] * (width - len(tables[s])) for s in seqs], dtype=i32),
+            head_dim**-0.5,
+        )
+
+    everyone = list(range(len(lengths)))
+    q = torch.randn(len(lengths), heads, head_dim).to(dtype)  # each sequence's last query
+    batched = attend(everyone, q, [1] * len(lengths))
+    for s in everyone:
+        assert torch.equal(attend([s], q[s : s + 1], [1])[0], batched[s]), f"length {lengths[s]}"
+    # the longest sequence's last 40 positions as one prefill chunk, its last row = the decode
+    s, n = len(lengths) - 1, 40
+    chunk_q = torch.randn(n, heads, head_dim).to(dtype)
+    chunk_q[-1] = q[s]
+    assert torch.equal(attend([s], chunk_q, [n])[-1], batched[s])
 
 
 def rope_store_both(
