@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel
 
 # cpu_kernels.c's enum of matrix kinds
-_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8 = 1, 2, 3, 4, 5, 6
+_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8, _INT8_QUADS = 1, 2, 3, 4, 5, 6, 7
 
 
 class _Linear(ctypes.Structure):
@@ -122,7 +122,8 @@ def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
     """The struct for one matrix module, or None if the kernels cannot run it in `dtype`."""
     if isinstance(proj, Int8Linear):
         n, k = proj.qweight.shape
-        return _Linear(_INT8, n, k, 0, proj.qweight.data_ptr(), proj.scale.data_ptr(), None)
+        kind = _INT8_QUADS if proj.quads else _INT8
+        return _Linear(kind, n, k, 0, proj.qweight.data_ptr(), proj.scale.data_ptr(), None)
     kind = _KINDS.get((type(proj), dtype))
     if kind is None:
         return None

@@ -362,7 +362,11 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.kernels = kernels
         qweight, scale = quantize_int8(weight.detach().float())
-        self.register_buffer("qweight", qweight)  # [N, K] int8
+        n, k = qweight.shape
+        # Where the kernels read them faster (AVX-512), the rows are held in quads: the same
+        # bytes in pack_int8_quads' order, the same results bit for bit.
+        self.quads = kernels.int8_quads and n % 4 == 0 and k % 32 == 0
+        self.register_buffer("qweight", pack_int8_quads(qweight) if self.quads else qweight)
         self.register_buffer("scale", scale)  # [N] fp32
 
     @property
@@ -370,7 +374,22 @@ class Int8Linear(nn.Module):
         return self.qweight.shape[1]  # K
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_int8(x, self.qweight, self.scale)  # [T, K] -> [T, N]
+        # [T, K] -> [T, N]
+        return self.kernels.linear_int8(x, self.qweight, self.scale, quads=self.quads)
+
+
+def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 (N % 4 = K % 32 = 0) -> [N, K] whose memory holds each 4 rows as blocks
+    of 32 columns, the four rows' 32 bytes back to back ([N / 4, K / 32, 4, 32]): a quad of rows
+    is then one run of memory for cpu_kernels.c ppr_linear_int8_quads, not four."""
+    n, k = q.shape
+    return q.view(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
+
+
+def unpack_int8_quads(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int8_quads: [N, K] rows."""
+    n, k = packed.shape
+    return packed.view(n // 4, k // 32, 4, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,6 +80,11 @@ class NativeKernels:
         lib.ppr_grid_codes.argtypes += [ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_linear_int8.restype = None
         lib.ppr_linear_int8.argtypes = [ctypes.c_int] + [_vp] * 4 + [ctypes.c_int] * 3
+        lib.ppr_linear_int8_quads.restype = ctypes.c_int
+        lib.ppr_linear_int8_quads.argtypes = [ctypes.c_int] + [_vp] * 4 + [ctypes.c_int] * 3
+        lib.ppr_int8_quads.restype = ctypes.c_int
+        # AVX-512: int8 weights held in quads (stages/linear.py pack_int8_quads) read faster
+        self.int8_quads = bool(lib.ppr_int8_quads())
         lib.ppr_quantize_rows_q16.restype = ctypes.c_int
         lib.ppr_quantize_rows_q16.argtypes = [ctypes.c_int, _vp] + [ctypes.c_int] * 2 + [_vp] * 2
         lib.ppr_has_bf16_dot.restype = ctypes.c_int
@@ -306,20 +311,30 @@ class NativeKernels:
         return panels
 
     def linear_int8(
-        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, quads: bool = False
     ) -> torch.Tensor:
         """(x [M, K] @ weight [N, K] int8^T) * scale [N] fp32 -> [M, N] in x's dtype (fp32 or
-        bf16: the kernel reads and writes either, so a bf16 stage converts nothing around it)."""
+        bf16: the kernel reads and writes either, so a bf16 stage converts nothing around it).
+        quads: weight's bytes are pack_int8_quads' order (only where `int8_quads`)."""
         x = x.contiguous()
         (m, k), n = x.shape, weight.shape[0]
         if weight.shape[1] != k or weight.dtype != torch.int8 or scale.shape != (n,):
             raise ValueError("linear_int8 takes x [M, K], an int8 weight [N, K] and scale [N]")
+        if not weight.is_contiguous():
+            raise ValueError("linear_int8 reads the weight's memory: it must be contiguous")
         _check(x, x)
         y = torch.empty(m, n, dtype=x.dtype)
-        self._lib.ppr_linear_int8(
+        args = (
             _ELEM_BYTES[x.dtype], x.data_ptr(), weight.data_ptr(), scale.data_ptr(), y.data_ptr(),
             m, n, k,
         )  # fmt: skip
+        if not quads:
+            self._lib.ppr_linear_int8(*args)
+        elif self._lib.ppr_linear_int8_quads(*args):
+            raise RuntimeError(
+                "linear_int8 over quads: these kernels lack AVX-512, N % 4 or K % 32 is not 0, "
+                "or no memory for a buffer"
+            )
         return y
 
     def quantize_rows_q16(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

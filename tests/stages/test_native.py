@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from stages import native
 from stages.batch import BLOCK_SIZE
-from stages.linear import CpuBf16Linear
+from stages.linear import CpuBf16Linear, pack_int8_quads, unpack_int8_quads
 from stages.ops import NativeOps, TorchOps
 
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
@@ -102,6 +102,32 @@ def test_linear_int8_matches_its_dequantized_weights(
         assert got.dtype == torch.bfloat16
         error = (got.float() - expected).abs()
         assert (error <= 2**-8 * expected.abs() + 1e-3 * expected.abs().max()).all()
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (8, 32), (12, 64)])
+def test_int8_weights_in_quads_give_the_rows_results_bit_for_bit(
+    kernels: native.NativeKernels, n: int, k: int
+) -> None:
+    # Where the kernels hold int8 weights in quads (AVX-512), the same products in the same
+    # order as over rows: every row count, both dtypes, equal to the last bit.
+    torch.manual_seed(n * k)
+    qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) / 100
+    packed = pack_int8_quads(qweight)
+    assert torch.equal(unpack_int8_quads(packed), qweight)
+    # quad 0's first 32 columns: row 0's 32 bytes, then rows 1, 2 and 3's
+    assert torch.equal(packed.reshape(-1)[:128], qweight[:4, :32].reshape(-1))
+    if not kernels.int8_quads:
+        with pytest.raises(RuntimeError, match="quads"):
+            kernels.linear_int8(torch.randn(1, k), packed, scale, quads=True)
+        return
+    for m in [1, 2, 3, 4, 5, 8, 33]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k).to(dtype)
+            rows = kernels.linear_int8(x, qweight, scale)
+            assert torch.equal(kernels.linear_int8(x, packed, scale, quads=True), rows)
+    with pytest.raises(RuntimeError, match="quads"):  # N % 4 != 0: refused, not misread
+        kernels.linear_int8(torch.randn(1, k), packed[:-1].contiguous(), scale[:-1], quads=True)
 
 
 @pytest.mark.parametrize("k", [1, 9, 16, 33, 576, 1536])
