@@ -1028,9 +1028,11 @@ static inline void prefetch_quad_after_next(const void *w, int quad, int num_qua
     for (int64_t b = 0; b < quad_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-/* One int16 input row against four int8 weight rows, 32 lanes a step (AVX-512's vpmaddwd): a
- * single stream's int8 matmuls read a quad of rows as four streams, the one after next
- * prefetched. dot1_i8_q16 read one row per call, with no prefetch, at 25 GB/s on a Zen 5 EPYC. */
+/* One int16 input row against four int8 weight rows, 32 lanes a step (AVX-512's vpmaddwd), the
+ * quad after next prefetched. Row r's 32 columns from k are at w[r] + k * kmul: kmul 1 for
+ * rows [N, K] (a quad read as four streams), 4 for quads (ppr_linear_int8_quads: one stream;
+ * K % 32 = 0 there, so the scalar tail, which reads rows, never runs). dot1_i8_q16 read one
+ * row per call, with no prefetch, at 25 GB/s on a Zen 5 EPYC. */
 static inline __attribute__((always_inline)) void dot1x4_i8_q16(const int16_t *x,
                                                                 const int8_t *const *w, int K,
                                                                 float out[4], const int kmul) {
@@ -1060,8 +1062,8 @@ static inline __attribute__((always_inline)) void dot1x4_i8_q16(const int16_t *x
 
 /* Four int16 rows of x against four int8 weight rows (a prefill's rows): 16 sums of 32 lanes,
  * with AVX512_VNNI's vpdpwssd where the CPU has it; the 16 results come out of one transposing
- * add tree. Rows past num_x repeat the last (their results are dropped). The AVX2 kernel took
- * two rows of x per pass. */
+ * add tree. Rows past num_x repeat the last (their results are dropped). The weight rows as
+ * dot1x4_i8_q16 reads them (kmul). The AVX2 kernel took two rows of x per pass. */
 static inline __attribute__((always_inline)) void dot4x4_i8_q16(const int16_t *const *xs,
                                                                 const int8_t *const *w, int K,
                                                                 float out[16], const int kmul) {
