@@ -39,7 +39,9 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
-  own `_weight_int8pack_mm` ran at 1.4 GB/s on that CPU, slower than fp32.
+  own `_weight_int8pack_mm` ran at 1.4 GB/s on that CPU, slower than fp32. Where the kernels
+  have AVX-512, each 4 rows are held as blocks of 32 columns (`pack_int8_quads`), so the
+  kernel's quad of rows is one run of memory; the same results bit for bit.
 """
 
 from __future__ import annotations
