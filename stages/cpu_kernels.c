@@ -464,6 +464,33 @@ static inline __attribute__((always_inline)) void page_values_pairs(
 }
 #endif
 
+/* One query's online-softmax step over one page: the scores sc (keys past the page's valid
+ * ones may hold anything, NaN) masked, the running maximum m and sum l updated, and the page's
+ * probabilities returned (0 past valid). *correction: what the query's sums acc must be
+ * multiplied by before this page's values are added (1: nothing to do). */
+static inline __m512 page_softmax(__m512 sc, __mmask16 valid, float *m, float *l,
+                                  float *correction) {
+    sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
+    const float page_max = _mm512_reduce_max_ps(sc);
+    *correction = 1.0f;
+    if (page_max > *m) {
+        *correction = *m == -INFINITY ? 0.0f : exp_nonpositive(*m - page_max);
+        *l *= *correction;
+        *m = page_max;
+    }
+    const __m512 pv =
+        _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(*m))));
+    *l += _mm512_reduce_add_ps(pv);
+    return pv;
+}
+
+/* acc [D] *= c, D a multiple of 16 */
+static inline void scale_row(float *acc, int D, float c) {
+    const __m512 cv = _mm512_set1_ps(c);
+    for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), cv));
+}
+
 /* nq query vectors of one query row (heads of one KV group: they see the same lim keys) against
  * one page, with the online-softmax update of each one's m, l and acc [nq, D]. q holds the fp32
  * queries, scaled, q_stride bytes apart. D is a multiple of 64. (A bf16 cache held as pairs
@@ -479,24 +506,11 @@ static inline void group_page_avx512(int bf16, const float *q, const void *kp, c
         for (int h = 0; h < nh; h++) {
             const int r = h0 + h;
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
-            __m512 sc = page_scores_avx512(bf16, q + r * D, kp, kstride, D);
+            const __m512 sc = page_scores_avx512(bf16, q + r * D, kp, kstride, D);
             if (pf) prefetch_slice(pf, (*call)++, 2 * num_calls);
-            sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc);
-            const float page_max = _mm512_reduce_max_ps(sc);
-            if (page_max > m[r]) {
-                const float correction =
-                    m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - page_max);
-                l[r] *= correction;
-                const __m512 cv = _mm512_set1_ps(correction);
-                float *ar = acc + r * D;
-                for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
-                m[r] = page_max;
-            }
-            const __m512 pv = _mm512_maskz_mov_ps(
-                valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
-            l[r] += _mm512_reduce_add_ps(pv);
-            _mm512_storeu_ps(p[h], pv);
+            float correction;
+            _mm512_storeu_ps(p[h], page_softmax(sc, valid, &m[r], &l[r], &correction));
+            if (correction != 1.0f) scale_row(acc + r * D, D, correction);
         }
         float *a = acc + h0 * D;
         switch (nh) {
@@ -574,19 +588,8 @@ static inline void group_run_pairs(const uint16_t *q, int64_t q_stride, const ui
                 lim[j] >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim[j]) - 1);
             for (int h = 0; h < nh; h++) {
                 const int r = h0 + h;
-                /* keys past lim may hold anything (NaN) */
-                const __m512 sc =
-                    _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), scores[j][h]);
-                const float page_max = _mm512_reduce_max_ps(sc);
-                correction[j][h] = 1.0f;
-                if (page_max > m[r]) {
-                    correction[j][h] = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - page_max);
-                    l[r] *= correction[j][h];
-                    m[r] = page_max;
-                }
-                const __m512 pv = _mm512_maskz_mov_ps(
-                    valid, exp16_nonpositive(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
-                l[r] += _mm512_reduce_add_ps(pv);
+                const __m512 pv =
+                    page_softmax(scores[j][h], valid, &m[r], &l[r], &correction[j][h]);
                 _mm256_storeu_si256((__m256i *)pb[j][h], (__m256i)_mm512_cvtneps_pbh(pv));
             }
         }
@@ -594,12 +597,7 @@ static inline void group_run_pairs(const uint16_t *q, int64_t q_stride, const ui
         for (int j = 0; j < np; j++) {
             if (pf) prefetch_run_slice(pf, (*call)++, num_calls);
             for (int h = 0; h < nh; h++)
-                if (correction[j][h] != 1.0f) {
-                    const __m512 cv = _mm512_set1_ps(correction[j][h]);
-                    float *ar = a + h * D;
-                    for (int d = 0; d < D; d += 16)
-                        _mm512_storeu_ps(ar + d, _mm512_mul_ps(_mm512_loadu_ps(ar + d), cv));
-                }
+                if (correction[j][h] != 1.0f) scale_row(a + h * D, D, correction[j][h]);
             const uint16_t *pj = pb[j][0];
             switch (nh) {
             case 1: page_values_pairs(1, pj, PAGE, vt[j], lim[j], D, a); break;
@@ -1122,7 +1120,9 @@ static float quantize_row_q16(const void *x, int elem_bytes, int K, int16_t *xq)
 #ifdef HAVE_AVX512_ATTENTION /* (AVX512F and BW: f32x16_load) */
     __m512 vmax = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) /* max_ps returns its second operand for a NaN, as below */
-        vmax = _mm512_max_ps(_mm512_abs_ps(f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2)), vmax);
+        vmax = _mm512_max_ps(
+            _mm512_abs_ps(f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2)),
+            vmax);
     amax = _mm512_reduce_max_ps(vmax);
 #endif
     for (; k < K; k++) {
@@ -1134,7 +1134,8 @@ static float quantize_row_q16(const void *x, int elem_bytes, int K, int16_t *xq)
 #ifdef HAVE_AVX512_ATTENTION
     const __m512 vinv = _mm512_set1_ps(inv);
     for (; k + 16 <= K; k += 16) { /* |x| * inv <= 32767.5: the narrowing never saturates */
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2), vinv));
+        const __m512 v = f32x16_load((const char *)x + (int64_t)k * elem_bytes, elem_bytes == 2);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));
         _mm256_storeu_si256((__m256i *)(xq + k), _mm512_cvtsepi32_epi16(q));
     }
 #endif
@@ -1152,6 +1153,18 @@ int ppr_quantize_rows_q16(int elem_bytes, const void *x, int M, int K, int16_t *
         scales[mi] = quantize_row_q16((const char *)x + (int64_t)mi * K * elem_bytes, elem_bytes,
                                       K, xq + (int64_t)mi * K);
     return 0;
+}
+
+/* Rows x [M, K] rounded for the int8 matmuls: xq [M, K] int16 (*xq, the one allocation: free it)
+ * and their scales [M] (returned). NULL where there is no memory. */
+static float *rounded_rows(int elem_bytes, const void *x, int M, int K, int16_t **xq) {
+    const size_t rows_bytes = ((size_t)M * K * sizeof(int16_t) + 63) / 64 * 64;
+    char *buffer = malloc(rows_bytes + sizeof(float) * (size_t)M);
+    *xq = (int16_t *)buffer;
+    if (!buffer) return NULL;
+    float *scales = (float *)(buffer + rows_bytes);
+    ppr_quantize_rows_q16(elem_bytes, x, M, K, *xq, scales);
+    return scales;
 }
 
 #if defined(__AVX512BW__)
@@ -1203,19 +1216,15 @@ static void int8_quads_avx512(int elem_bytes, const int16_t *xq, const float *x_
  * run in integers; y = sum * x_scale * w_scale. */
 void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float *scale, void *y,
                      int M, int N, int K) {
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
-    float *x_scale = malloc(sizeof(float) * (size_t)M);
-    if (!xq || !x_scale) {
-        free(xq);
-        free(x_scale);
+    int16_t *xq;
+    const float *x_scale = rounded_rows(elem_bytes, x, M, K, &xq);
+    if (!x_scale) {
         for (int64_t i = 0; i < (int64_t)M * N; i++) put_y(y, i, NAN, elem_bytes); /* loud */
         return;
     }
-    ppr_quantize_rows_q16(elem_bytes, x, M, K, xq, x_scale);
 #if defined(__AVX512BW__)
     int8_quads_avx512(elem_bytes, xq, x_scale, w, scale, y, M, N, K, 0);
     free(xq);
-    free(x_scale);
     return;
 #endif
     if (M == 1) {
@@ -1223,7 +1232,6 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
         for (int n = 0; n < N; n++)
             put_y(y, n, dot1_i8_q16(xq, w + (int64_t)n * K, K) * x_scale[0] * scale[n], elem_bytes);
         free(xq);
-        free(x_scale);
         return;
     }
     const int num_quads = (N + 3) / 4;
@@ -1246,7 +1254,6 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
         }
     }
     free(xq);
-    free(x_scale);
 }
 #define HAVE_INT8_LINEAR
 
@@ -1359,17 +1366,11 @@ int ppr_linear_int8_quads(int elem_bytes, const void *x, const int8_t *w, const 
                           void *y, int M, int N, int K) {
 #if defined(__AVX512BW__)
     if (N % 4 != 0 || K % 32 != 0) return -1;
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)M * K);
-    float *x_scale = malloc(sizeof(float) * (size_t)M);
-    if (!xq || !x_scale) {
-        free(xq);
-        free(x_scale);
-        return -1;
-    }
-    ppr_quantize_rows_q16(elem_bytes, x, M, K, xq, x_scale);
+    int16_t *xq;
+    const float *x_scale = rounded_rows(elem_bytes, x, M, K, &xq);
+    if (!x_scale) return -1;
     int8_quads_avx512(elem_bytes, xq, x_scale, w, scale, y, M, N, K, 1);
     free(xq);
-    free(x_scale);
     return 0;
 #else
     (void)elem_bytes, (void)x, (void)w, (void)scale, (void)y, (void)M, (void)N, (void)K;
