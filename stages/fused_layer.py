@@ -140,6 +140,8 @@ class FusedLayers:
     """Layers [start, end) of one stage, run by one call of ppr_decoder_layers. Holds raw
     pointers into the layers' weights: the stage module owns them and outlives this."""
 
+    HELD_ROWS = 64  # forwards of up to this many rows reuse one scratch buffer
+
     def __init__(
         self,
         layers: list[DecoderLayer],
@@ -173,6 +175,7 @@ class FusedLayers:
         # back to back, as ppr_decoder_layers walks them; kept alive: C reads them
         self._layers = (_Layer * len(layer_structs))(*layer_structs)
         self._layers_at = ctypes.addressof(self._layers)
+        self._held: torch.Tensor | None = None  # scratch kept between steps (_scratch)
 
     @classmethod
     def build(
@@ -206,37 +209,24 @@ class FusedLayers:
         h = h.contiguous()  # a received frame's tensor may be a view; the kernels read rows
         residual = None if residual is None else residual.contiguous()
         num_tokens, d = h.shape
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-
-        def scratch(*shape: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=self.dtype)
-
-        # Every layer's temporaries, shared: each is consumed within the layer that wrote it.
-        buffers = {
-            "x": scratch(num_tokens, d),
-            "qkv": scratch(num_tokens, (heads + 2 * kv_heads) * head_dim),
-            "q": scratch(num_tokens, heads, head_dim),
-            "attn": scratch(num_tokens, heads, head_dim),
-            "h": scratch(num_tokens, d),
-            "gate_up": scratch(num_tokens, 2 * self.intermediate),
-            "act": scratch(num_tokens, self.intermediate),
-        }
-        out, residual_out = scratch(num_tokens, d), scratch(num_tokens, d)
+        # the kernels write through raw addresses: `buffer` lives until the call returns
+        buffer, scratch = self._scratch(num_tokens)
+        out, residual_out = torch.empty(2, num_tokens, d, dtype=self.dtype).unbind(0)
         step = _Step(
-            elem_bytes=_ELEM_BYTES[self.dtype],
-            num_tokens=num_tokens,
-            num_seqs=paged.q_start.shape[0],
-            table_stride=paged.block_table.shape[1],
-            num_slots=kv.num_slots,
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            slot_mapping=inputs.slot_mapping.data_ptr(),
-            q_start=paged.q_start.data_ptr(),
-            q_len=paged.q_len.data_ptr(),
-            ctx_len=paged.ctx_len.data_ptr(),
-            block_table=paged.block_table.data_ptr(),
-            scale=head_dim**-0.5,
-            **{name: tensor.data_ptr() for name, tensor in buffers.items()},
+            _ELEM_BYTES[self.dtype],
+            num_tokens,
+            paged.q_start.shape[0],
+            paged.block_table.shape[1],
+            kv.num_slots,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            inputs.slot_mapping.data_ptr(),
+            paged.q_start.data_ptr(),
+            paged.q_len.data_ptr(),
+            paged.ctx_len.data_ptr(),
+            paged.block_table.data_ptr(),
+            self.head_dim**-0.5,
+            *scratch,
         )
         step_at = ctypes.addressof(step)
         kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
@@ -245,7 +235,39 @@ class FusedLayers:
             self._layers_at, len(self._layers), step_at, h.data_ptr(), res_in,
             residual_out.data_ptr(), kv_base, kv_stride, out.data_ptr(),
         )  # fmt: skip
+        del buffer
         return out, residual_out
+
+    def _scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """A buffer and, in _Step's order, the addresses in it of every layer's temporaries
+        for `num_tokens` rows (x, qkv, q, attn, h, gate_up, act; each consumed within the layer
+        that wrote it), each 64-byte aligned. Up to HELD_ROWS rows the buffer is kept from
+        step to step: nine allocations a step cost a single stream ~60 us (stages/ops.py
+        RopeTable says why small things cost that much there)."""
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        widths = (
+            self.hidden,
+            (heads + 2 * kv_heads) * head_dim,
+            heads * head_dim,
+            heads * head_dim,
+            self.hidden,
+            2 * self.intermediate,
+            self.intermediate,
+        )
+        align = 64 // _ELEM_BYTES[self.dtype]  # elements in 64 bytes
+        sizes = [-(-num_tokens * width // align) * align for width in widths]
+        needed = sum(sizes) + align  # and room to align the start
+        buffer = self._held
+        if buffer is None or buffer.numel() < needed:
+            buffer = torch.empty(needed, dtype=self.dtype)
+            if num_tokens <= self.HELD_ROWS:
+                self._held = buffer
+        base = -(-buffer.data_ptr() // 64) * 64
+        addresses, offset = [], 0
+        for size in sizes:
+            addresses.append(base + offset * _ELEM_BYTES[self.dtype])
+            offset += size
+        return buffer, addresses
 
     def matmuls(self, rows: int) -> Callable[[], None]:
         """A call that runs every layer's four matmuls alone at `rows` rows, as forward runs

@@ -70,6 +70,7 @@ class ForwardInputs:
     prefills: list[PrefillAttn]  # gather: one per prefill chunk
     decode_groups: list[DecodeGroup]  # gather: decodes grouped by context length
     paged: PagedAttn | None = None  # paged: every chunk, prefill or decode
+    max_position: int | None = None  # the largest of positions (None: not known on the host)
 
     @property
     def num_tokens(self) -> int:
@@ -119,16 +120,30 @@ def build_inputs(
 
     num_tokens = cu_seqlens[-1]
     decode_groups = _decode_groups(decode_rows, decode_chunks, num_tokens, device)
-    paged = _paged_attn(chunks, cu_seqlens, device) if attention == "paged" else None
+    # Two host tensors, not one per field: the longs ([T] ids, positions, slots, then the
+    # [S] sampled rows) and the int32s (cu_seqlens, then the paged metadata), each cut into
+    # views. A single stream's decode step made nine tensors here, and between the kernels'
+    # weight streams each costs 10-20 us of an interpreter out of cache (2-core Zen 4); on a
+    # GPU each was its own copy to the device.
+    longs = on_device(
+        torch.tensor(input_ids + positions + slot_mapping + sample_rows, dtype=torch.long), device
+    )
+    ids_t, positions_t, slots_t, sample_t = longs.split(
+        (num_tokens, num_tokens, num_tokens, len(sample_rows))
+    )
+    ints = cu_seqlens + (_paged_ints(chunks) if attention == "paged" else [])
+    ints_t = on_device(torch.tensor(ints, dtype=torch.int32), device)
+    cu_seqlens_t = ints_t[: len(cu_seqlens)]
     return ForwardInputs(
-        input_ids=on_device(torch.tensor(input_ids, dtype=torch.long), device),
-        positions=on_device(torch.tensor(positions, dtype=torch.long), device),
-        slot_mapping=on_device(torch.tensor(slot_mapping, dtype=torch.long), device),
-        cu_seqlens=on_device(torch.tensor(cu_seqlens, dtype=torch.int32), device),
-        sample_rows=on_device(torch.tensor(sample_rows, dtype=torch.long), device),
+        input_ids=ids_t,
+        positions=positions_t,
+        slot_mapping=slots_t,
+        cu_seqlens=cu_seqlens_t,
+        sample_rows=sample_t,
         prefills=prefills,
         decode_groups=decode_groups,
-        paged=paged,
+        paged=_paged_attn(chunks, cu_seqlens_t, ints_t) if attention == "paged" else None,
+        max_position=max(chunk.seq_len for chunk in chunks) - 1,
     )
 
 
@@ -148,17 +163,24 @@ def on_device(host: torch.Tensor, device: str | torch.device) -> torch.Tensor:
     return host if source is host else source.to(device, non_blocking=True)
 
 
-def _paged_attn(
-    chunks: list[SeqChunk], cu_seqlens: list[int], device: str | torch.device
-) -> PagedAttn:
+def _paged_ints(chunks: list[SeqChunk]) -> list[int]:
+    """The paged kernel's int32 metadata after cu_seqlens: every chunk's row count, then its
+    context length, then the block tables [N, max_blocks], each cut to what the longest context
+    needs and padded with block 0, which is never read."""
     num_blocks = max(-(-chunk.seq_len // BLOCK_SIZE) for chunk in chunks)
-    # Each table cut to what its context needs and padded with block 0, which is never read.
-    table = [(chunk.block_ids + [0] * num_blocks)[:num_blocks] for chunk in chunks]
+    table = [b for chunk in chunks for b in (chunk.block_ids + [0] * num_blocks)[:num_blocks]]
+    return [c.num_tokens for c in chunks] + [c.seq_len for c in chunks] + table
+
+
+def _paged_attn(chunks: list[SeqChunk], cu_seqlens: torch.Tensor, ints: torch.Tensor) -> PagedAttn:
+    """Views into `ints` (cu_seqlens [N + 1], then _paged_ints) as the kernel reads them."""
+    n = len(chunks)
+    q_len, ctx_len, table = ints[n + 1 :].split((n, n, ints.shape[0] - 3 * n - 1))
     return PagedAttn(
-        q_start=on_device(torch.tensor(cu_seqlens[:-1], dtype=torch.int32), device),
-        q_len=on_device(torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32), device),
-        ctx_len=on_device(torch.tensor([c.seq_len for c in chunks], dtype=torch.int32), device),
-        block_table=on_device(torch.tensor(table, dtype=torch.int32), device),
+        q_start=cu_seqlens[:-1],
+        q_len=q_len,
+        ctx_len=ctx_len,
+        block_table=table.view(n, -1),
         max_q_len=max(c.num_tokens for c in chunks),
     )
 

@@ -200,7 +200,9 @@ class LlamaStage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
-        cos, sin = self.ops.rope_tables(inputs.positions, self.inv_freq, self.dtype)  # all layers
+        cos, sin = self.ops.rope_tables(  # all layers
+            inputs.positions, self.inv_freq, self.dtype, inputs.max_position
+        )
         if self.fused is not None:  # (a stage on the CPU kernels always reads the cache paged)
             return self.fused.forward(h, residual, cos, sin, kv, inputs)
         for layer_index, layer in enumerate(self.layers):
