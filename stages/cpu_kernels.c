@@ -2789,6 +2789,23 @@ int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, co
     return 0;
 }
 
+/* The last stage's finish of a batch whose every row samples greedily, in one call: per row
+ * x = rmsnorm(h + residual) * norm_weight, its logits over the lm_head's rows, and their first
+ * maximal index into out [N]: the kernels stages/runner.py otherwise calls one at a time
+ * (add_rms_norm, the lm_head's matmul, row_argmax), in the same order on the same values.
+ * scratch holds 2 N d + N V elements (h + residual, x, the logits). Returns 0, or -1 where
+ * the lm_head's kind is one this build lacks. */
+int ppr_greedy_head(const ppr_linear_t *head, int elem_bytes, const void *h, const void *residual,
+                    const void *norm_weight, float eps, int N, int d, void *scratch,
+                    int64_t *out) {
+    char *sum = scratch, *x = sum + (int64_t)N * d * elem_bytes;
+    char *logits = x + (int64_t)N * d * elem_bytes;
+    ppr_add_rms_norm(elem_bytes, h, residual, norm_weight, sum, x, N, d, eps);
+    if (run_linear(head, elem_bytes, x, logits, N)) return -1;
+    ppr_row_argmax(elem_bytes, logits, head->n, out, N, head->n);
+    return 0;
+}
+
 /* The layer's four matmuls alone, as ppr_decoder_layer runs them, at M rows: what `ppring bench
  * step` times as the compute floor of a step (x_hidden [M, d], x_attn [M, H D], x_act [M, I],
  * y at least [M, max N]; their values do not matter). */

@@ -11,6 +11,7 @@ that).
 
 Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
 the kernels' layouts (not DenseLinear). `PPRING_FUSED_LAYERS=0` turns it off (to compare).
+`GreedyHead` does the same for a last stage's final norm, lm_head and argmax.
 """
 
 from __future__ import annotations
@@ -292,3 +293,49 @@ class FusedLayers:
                 self._matmuls(at, *args)
 
         return run
+
+
+class GreedyHead:
+    """The last stage's finish when every row of a batch samples greedily (a decode batch of
+    plain greedy requests): the final norm, the lm_head and the argmax in one call of
+    ppr_greedy_head, the kernels the step otherwise calls one by one, so the tokens are the
+    same. What goes is their Python: three wrappers, four allocations and their checks, ~100 us
+    of a single stream's step on the 2-core Zen 4, where code runs out of cache between weight
+    streams (stages/ops.py RopeTable)."""
+
+    def __init__(
+        self, head: _Linear, norm_weight: torch.Tensor, eps: float, kernels: NativeKernels
+    ) -> None:
+        self._call = kernels.greedy_head
+        self._head = head  # kept alive: C reads it
+        self._head_at = ctypes.addressof(head)
+        self.norm_weight = norm_weight  # [d]
+        self.eps = eps
+        self.dtype = norm_weight.dtype
+
+    @classmethod
+    def build(
+        cls, lm_head: nn.Module, norm_weight: torch.Tensor, eps: float,
+        kernels: NativeKernels | None,
+    ) -> GreedyHead | None:  # fmt: skip
+        """GreedyHead where the kernels hold the lm_head, else None (the step's calls)."""
+        dtype = norm_weight.dtype
+        if not enabled() or kernels is None or dtype not in _ELEM_BYTES:
+            return None
+        head = _linear(lm_head, dtype)
+        return None if head is None else cls(head, norm_weight, eps, kernels)
+
+    def tokens(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """h, residual [N, d] -> [N] int64: each row's greedy token (the first maximal logit)."""
+        h, residual = h.contiguous(), residual.contiguous()
+        rows, hidden = h.shape
+        assert h.dtype == residual.dtype == self.dtype and residual.shape == h.shape
+        # h + residual [N, d], x [N, d], logits [N, V]
+        scratch = torch.empty(rows * (2 * hidden + self._head.n), dtype=self.dtype)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._call(
+            self._head_at, _ELEM_BYTES[self.dtype], h.data_ptr(), residual.data_ptr(),
+            self.norm_weight.data_ptr(), self.eps, rows, hidden, scratch.data_ptr(),
+            out.data_ptr(),
+        )  # fmt: skip
+        return out

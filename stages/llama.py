@@ -20,7 +20,7 @@ from torch import nn
 
 from stages.attention import paged_attention
 from stages.config import ModelConfig, RopeScaling
-from stages.fused_layer import FusedLayers
+from stages.fused_layer import FusedLayers, GreedyHead
 from stages.inputs import ForwardInputs, on_device
 from stages.kv_cache import KVCache
 from stages.linear import make_linear
@@ -185,6 +185,13 @@ class LlamaStage(nn.Module):
             # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
             # cannot: the embedding stays exact in its own copy.
             head_serves_lookup = tied and whole and hasattr(self.lm_head, "rows")
+        # The last stage of a whole lm_head on the CPU kernels: a greedy decode batch's final
+        # norm, lm_head and argmax in one call (stages/fused_layer.py); None: one at a time.
+        self.greedy_head: GreedyHead | None = None
+        if self.is_last_stage and head_rows == (0, config.vocab_size):
+            self.greedy_head = GreedyHead.build(
+                self.lm_head, self.final_norm, config.rms_norm_eps, kind.kernels
+            )
         # The first stage's lookup table, in the stage dtype (the matrices may come in fp32 for
         # a bf16 stage: stages/linear.py source_dtype); None where the lm_head serves it.
         self.embed_tokens: nn.Parameter | None = (

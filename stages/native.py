@@ -123,6 +123,9 @@ class NativeKernels:
         lib.ppr_decoder_layers.restype = ctypes.c_int
         lib.ppr_decoder_layers.argtypes = [_vp, ctypes.c_int] + [_vp] * 5 + [ctypes.c_int64, _vp]
         lib.ppr_layer_matmuls.restype = ctypes.c_int
+        lib.ppr_greedy_head.restype = ctypes.c_int
+        lib.ppr_greedy_head.argtypes = [_vp, ctypes.c_int] + [_vp] * 3
+        lib.ppr_greedy_head.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, _vp, _vp]
         lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
@@ -563,6 +566,19 @@ class NativeKernels:
         """The four matmuls of the layer struct at `layer`, alone (stages/fused_layer.py)."""
         if self._lib.ppr_layer_matmuls(layer, elem_bytes, rows, x_hidden, x_attn, x_act, y):
             raise RuntimeError("a matmul of the fused decoder layer failed (see cpu_kernels.c)")
+
+    def greedy_head(
+        self, head: int, elem_bytes: int, h: int, residual: int, norm_weight: int, eps: float,
+        rows: int, hidden: int, scratch: int, out: int,
+    ) -> None:  # fmt: skip
+        """Final norm, lm_head and argmax of `rows` rows in one call over raw addresses: the
+        lm_head's struct at `head` and the buffers stages/fused_layer.py lays out (it checks
+        them)."""
+        status = self._lib.ppr_greedy_head(
+            head, elem_bytes, h, residual, norm_weight, eps, rows, hidden, scratch, out
+        )
+        if status != 0:
+            raise RuntimeError("the lm_head's kernel refused (see cpu_kernels.c)")
 
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] fp32 or bf16 (rows may be strided) -> [N] int64: each row's first maximal

@@ -462,12 +462,17 @@ class StageRunner(Stage):
         picked = [i for i, chunk in enumerate(chunks) if chunk.sample]
         if not picked:
             return SampleResult(token_ids=[])
+        params = _picked_params(chunks, sampling)
+        greedy = all(_plain_greedy(p) for p in params)
         with torch.inference_mode():
+            head = self.model.greedy_head  # (CPU kernels only: never with a graph's logits)
+            if greedy and head is not None and len(picked) == step.h.shape[0]:
+                # every row samples (a decode batch): final norm, lm_head and argmax at once
+                return SampleResult(token_ids=head.tokens(step.h, step.residual).tolist())
             logits = step.logits  # [N, V] from a graph (every row samples), or:
             if logits is None:
                 logits = self.model.compute_logits(step.h, step.residual, step.inputs.sample_rows)
-            params = _picked_params(chunks, sampling)
-            if all(_plain_greedy(p) for p in params):
+            if greedy:
                 # No fp32 copy of the logits (the argmax of bf16 values is that of their fp32
                 # values), and not torch's argmax: on one Zen 4 thread, 32 rows, the sampler's
                 # copy and argmax took 2.5 ms of a 79 ms step.

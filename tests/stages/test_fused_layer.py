@@ -2,7 +2,8 @@
 layer's nine kernel calls from Python compute: for every kind of matrix the kernels hold (fp32
 and bf16 panels, both on a GGUF grid, bf16 grid codes times int8 activations, int8), for
 prefill chunks mixed with decodes, and on a later stage, whose first layer reads a received
-frame."""
+frame. A greedy decode batch's finish in one call (GreedyHead) picks the tokens the final norm,
+lm_head and argmax called one by one pick."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from stages import fused_layer, native
 from stages import linear as linear_module
 from stages.linear import GridA8Linear, GridBf16Linear, GridLinear, Int8Linear
-from tests.stages.conftest import Chain, drive_teacher_forced
+from tests.stages.conftest import Chain, drive_teacher_forced, greedy_generate
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 from tests.tiny_llama import make_tiny_llama
 
@@ -84,6 +85,43 @@ def test_one_call_a_layer_computes_what_the_layer_calls_compute(
         for got, expected in zip(fused, layered, strict=True):
             assert torch.equal(got, expected)
             assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("partition", [[4], [1, 3]])
+@pytest.mark.parametrize(("dtype", "quantization"), [
+    ("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
+])  # fmt: skip
+def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
+    tiny_dirs: dict[str, Path],
+    grid_dir: Path,
+    partition: list[int],
+    dtype: str,
+    quantization: str,
+) -> None:
+    needs_bf16_dot(dtype)
+    prompts = [seq[:n] for seq, n in zip(SEQS, PROMPT_LENS, strict=True)]
+    rows_per_call: list[int] = []
+    original = fused_layer.GreedyHead.tokens
+
+    def counted(head: fused_layer.GreedyHead, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        rows_per_call.append(h.shape[0])
+        return original(head, h, r)
+
+    for folder in (tiny_dirs["gqa"], grid_dir):
+        outputs = []
+        for one_call in (True, False):
+            chain = Chain(folder, partition, dtype=dtype, quantization=quantization)
+            last = chain.stages[-1].model
+            assert isinstance(last.greedy_head, fused_layer.GreedyHead)
+            if not one_call:
+                last.greedy_head = None  # the norm, lm_head and argmax one at a time
+            rows_per_call.clear()
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(fused_layer.GreedyHead, "tokens", counted)
+                outputs.append(greedy_generate(chain, prompts, max_new_tokens=9))
+            # every decode step, not the prefill (3 sampled rows of 33)
+            assert rows_per_call == ([3] * 8 if one_call else [])
+        assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize(
