@@ -272,15 +272,33 @@ def test_paged_attention_matches_a_plain_softmax(
     assert (got.double() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 16)])
 def test_paged_attention_of_a_row_does_not_depend_on_its_batch(
+    kernels: native.NativeKernels,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    threads: int,
+) -> None:
+    # The kernel splits its work by batch (one sequence: a task per KV head, or from 512 keys
+    # a task per thread's share of them; many: every head of a sequence in one task) and walks
+    # a context in runs of pages (where a bf16 cache is held as pairs). A row must come out bit
+    # for bit the same alone, in a batch of decodes, and as a row of a prefill chunk that
+    # reaches the same position. Two threads deal a lone sequence's 3 KV groups out as 2 and 1.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_row_independence(kernels, dtype, heads, kv_heads, head_dim)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def check_row_independence(
     kernels: native.NativeKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    # The kernel splits its work by batch (one sequence: a task per KV head; many: every head
-    # of a sequence in one task) and walks a context in runs of pages (where a bf16 cache is
-    # held as pairs). A row must come out bit for bit the same alone, in a batch of decodes,
-    # and as a row of a prefill chunk that reaches the same position.
     torch.manual_seed(heads + head_dim)
     lengths = [1, 15, 16, 17, 31, 33, 64, 65, 100, 200, 513]
     tables, next_block = [], 0
