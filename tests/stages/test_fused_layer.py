@@ -60,18 +60,25 @@ def needs_bf16_dot(dtype: str) -> None:
         pytest.skip("a bf16 stage multiplies with the kernels only on AVX512_BF16")
 
 
-@pytest.mark.parametrize("partition", [[4], [1, 3]])
-@pytest.mark.parametrize(("dtype", "quantization"), [
-    ("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
-])  # fmt: skip
+@pytest.fixture(
+    params=[
+        (partition, dtype, quantization)
+        for partition in ([4], [1, 3])
+        for dtype in ("float32", "bfloat16")
+        for quantization in ("none", "int8")
+    ],
+    ids=lambda kind: f"{kind[0]}-{kind[1]}-{kind[2]}",
+)
+def stage_kind(request: pytest.FixtureRequest) -> tuple[list[int], str, str]:
+    """(partition, dtype, quantization): one stage or two, each dtype, with and without int8."""
+    needs_bf16_dot(request.param[1])
+    return request.param
+
+
 def test_one_call_a_layer_computes_what_the_layer_calls_compute(
-    tiny_dirs: dict[str, Path],
-    grid_dir: Path,
-    partition: list[int],
-    dtype: str,
-    quantization: str,
+    tiny_dirs: dict[str, Path], grid_dir: Path, stage_kind: tuple[list[int], str, str]
 ) -> None:
-    needs_bf16_dot(dtype)
+    partition, dtype, quantization = stage_kind
     # a bf16 grid stage's two ways: codes times int8 activations (the default), codes as bf16
     runs = [(tiny_dirs["gqa"], None), (grid_dir, None)]
     if dtype == "bfloat16" and quantization == "none":
@@ -87,18 +94,10 @@ def test_one_call_a_layer_computes_what_the_layer_calls_compute(
             assert torch.isfinite(got).all()
 
 
-@pytest.mark.parametrize("partition", [[4], [1, 3]])
-@pytest.mark.parametrize(("dtype", "quantization"), [
-    ("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
-])  # fmt: skip
 def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
-    tiny_dirs: dict[str, Path],
-    grid_dir: Path,
-    partition: list[int],
-    dtype: str,
-    quantization: str,
+    tiny_dirs: dict[str, Path], grid_dir: Path, stage_kind: tuple[list[int], str, str]
 ) -> None:
-    needs_bf16_dot(dtype)
+    partition, dtype, quantization = stage_kind
     prompts = [seq[:n] for seq, n in zip(SEQS, PROMPT_LENS, strict=True)]
     rows_per_call: list[int] = []
     original = fused_layer.GreedyHead.tokens
