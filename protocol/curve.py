@@ -373,7 +373,10 @@ class _Refusals:
 def _peer_of(fd: int, endpoint: str) -> str | None:
     """host:port at the other end of a just-accepted connection, read from a duplicate of
     ZeroMQ's descriptor (its own is never closed here). The connection may already be closed
-    and its number reused; the local port must be the endpoint's, or the answer is None."""
+    and its number reused; the local port must be the endpoint's, or the answer is None. An
+    ipc:// endpoint's peers (Unix sockets, this host) have no address: None."""
+    if not endpoint.startswith("tcp://"):
+        return None
     try:
         with socket.socket(fileno=os.dup(fd)) as conn:
             local_port = conn.getsockname()[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from protocol.channels import (
 from protocol.curve import (
     CurveError,
     NodeKeys,
+    _peer_of,
     is_loopback,
     keygen,
     load_pair,
@@ -148,3 +150,16 @@ def test_binding_beyond_loopback_in_clear_warns(caplog):
     (record,) = caplog.records
     assert "the rendezvous binds tcp://0.0.0.0:5 in clear text" in record.getMessage()
     assert "--curve-dir" in record.getMessage()
+
+
+def test_a_refusal_watch_reads_no_address_for_a_unix_socket(tmp_path) -> None:
+    # An ipc:// endpoint's accepted connection is a Unix socket: its local name is the path
+    # and its peer has none. The watch must answer None, not fail on the peer's empty name.
+    path = str(tmp_path / "ring-stage1")
+    with socket.socket(socket.AF_UNIX) as listener, socket.socket(socket.AF_UNIX) as client:
+        listener.bind(path)
+        listener.listen(1)
+        client.connect(path)
+        accepted, _ = listener.accept()
+        with accepted:
+            assert _peer_of(accepted.fileno(), f"ipc://{path}") is None
