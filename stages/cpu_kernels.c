@@ -436,8 +436,7 @@ static inline __attribute__((always_inline)) void page_scores_pairs(
  * slots' values. p[h] is 0 from lim on; a slot past lim may hold anything (NaN), so the pair
  * that straddles lim has its second slot's values zeroed. */
 static inline __attribute__((always_inline)) void page_values_pairs(
-    const int NH, const uint16_t *pb, int64_t pb_stride, const uint16_t *vt, int lim, int D,
-    float *acc) {
+    const int NH, const uint16_t (*pb)[PAGE], const uint16_t *vt, int lim, int D, float *acc) {
     const int num_pairs = (lim + 1) / 2;
     for (int c = 0; c < D; c += 64) {
         __m512 o[4][4];
@@ -453,7 +452,7 @@ static inline __attribute__((always_inline)) void page_values_pairs(
             }
             for (int h = 0; h < NH; h++) {
                 int32_t pair; /* p[h][2 kp], p[h][2 kp + 1] */
-                memcpy(&pair, pb + h * pb_stride + 2 * kp, 4);
+                memcpy(&pair, &pb[h][2 * kp], 4);
                 const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
                 for (int i = 0; i < 4; i++) o[h][i] = _mm512_dpbf16_ps(o[h][i], vv[i], pp);
             }
@@ -598,12 +597,11 @@ static inline void group_run_pairs(const uint16_t *q, int64_t q_stride, const ui
             if (pf) prefetch_run_slice(pf, (*call)++, num_calls);
             for (int h = 0; h < nh; h++)
                 if (correction[j][h] != 1.0f) scale_row(a + h * D, D, correction[j][h]);
-            const uint16_t *pj = pb[j][0];
             switch (nh) {
-            case 1: page_values_pairs(1, pj, PAGE, vt[j], lim[j], D, a); break;
-            case 2: page_values_pairs(2, pj, PAGE, vt[j], lim[j], D, a); break;
-            case 3: page_values_pairs(3, pj, PAGE, vt[j], lim[j], D, a); break;
-            default: page_values_pairs(4, pj, PAGE, vt[j], lim[j], D, a); break;
+            case 1: page_values_pairs(1, pb[j], vt[j], lim[j], D, a); break;
+            case 2: page_values_pairs(2, pb[j], vt[j], lim[j], D, a); break;
+            case 3: page_values_pairs(3, pb[j], vt[j], lim[j], D, a); break;
+            default: page_values_pairs(4, pb[j], vt[j], lim[j], D, a); break;
             }
         }
     }
@@ -837,14 +835,15 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
     }
 }
 
-/* Attention of every query row in a packed batch over its sequence's paged context.
- * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
- * multiple of Hkv or scratch cannot be allocated. */
 /* The context from which a lone sequence's KV groups go out a task per thread (see below).
  * One decode, 9 heads over 3 KV groups, head_dim 64, bf16 pairs, 2 threads, Zen 4, C harness
  * with 100 MB streamed between the 30 layers, medians of 4 alternated runs, us a layer: 128 keys
  * 6.3 -> 8.2 (slower), 256 13.8 -> 13.6, 512 25.7 -> 22.0, 1024 46.3 -> 37.9. */
 #define LONE_CONTEXT 512
+
+/* Attention of every query row in a packed batch over its sequence's paged context.
+ * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
+ * multiple of Hkv or scratch cannot be allocated. */
 int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
                         const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
                         const int32_t *table, int table_stride, int64_t num_slots, int H, int Hkv,

@@ -388,12 +388,6 @@ def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
     return q.view(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
-def unpack_int8_quads(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_int8_quads: [N, K] rows."""
-    n, k = packed.shape
-    return packed.view(n // 4, k // 32, 4, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
-
-
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] fp32 -> (q [N, K] int8, scale [N]): symmetric, round to nearest, one scale per
     output channel (max |w| / 127). A search over clip ratios (keep the ratio in 0.75-1.0 with

@@ -123,10 +123,10 @@ class NativeKernels:
         lib.ppr_decoder_layers.restype = ctypes.c_int
         lib.ppr_decoder_layers.argtypes = [_vp, ctypes.c_int] + [_vp] * 5 + [ctypes.c_int64, _vp]
         lib.ppr_layer_matmuls.restype = ctypes.c_int
+        lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_greedy_head.restype = ctypes.c_int
         lib.ppr_greedy_head.argtypes = [_vp, ctypes.c_int] + [_vp] * 3
         lib.ppr_greedy_head.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, _vp, _vp]
-        lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from stages import native
 from stages.batch import BLOCK_SIZE
-from stages.linear import CpuBf16Linear, pack_int8_quads, unpack_int8_quads
+from stages.linear import CpuBf16Linear, pack_int8_quads
 from stages.ops import NativeOps, TorchOps
 
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
@@ -23,6 +23,12 @@ AVX2_CFLAGS = (*native.PORTABLE_CFLAGS, "-mavx2", "-mfma", "-mf16c")
 # AVX-512 without BF16 and VNNI (a Skylake-SP's level): attention by KV group over fp32
 # queries, bf16 caches held as rows, not pairs; also checked where the CPU has more.
 AVX512_CFLAGS = (*AVX2_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+
+
+def unpack_int8_quads(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int8_quads: [N, K] rows (only the tests need it)."""
+    n, k = packed.shape
+    return packed.view(n // 4, k // 32, 4, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
 
 
 def build_kernels(flags: tuple[str, ...], folder: Path) -> native.NativeKernels:
