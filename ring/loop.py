@@ -77,6 +77,13 @@ class StageLoop:
         self.deltas: list[RequestDelta] = []  # for the frontend, sent once per step
         self.launched_at = 0.0
         self.tracer: StepTracer | None = None  # --trace-steps, opened once the ring is ready
+        # Stage 0 of a ring sends the output it applied at step k (sampled there with the
+        # lm_head split, else forwarded from the last stage) with step k + 1's reqs and proxy,
+        # not as a message of its own. Stage 1 needs that output only to decide step k + 1,
+        # which it cannot start before that proxy anyway; one ZeroMQ message a step fewer is
+        # one send, two I/O-thread wake-ups and one receive fewer on a host whose cores the
+        # stages share with them. FrontendHead flushes it before it waits idle for requests.
+        self.outputs_ride_next_proxy = self.cfg.is_first_stage and self.cfg.pp_size > 1
 
     def handshake(self) -> int:
         """Agree the KV capacity round the ring, allocate it, build the scheduler."""
@@ -152,10 +159,11 @@ class StageLoop:
         handle = self._launch(batch, seam)  # 4 run
         if handle.overlaps and self.cfg.pp_loop_size > 1:
             self._finish_overlapped(step, batch, handle)  # 6, 5 and the next 1-2 while it runs
+            self._end_step(step, flush=True)
         else:
             self._send(batch, self._wait(handle))  # 6 send: the proxy or the sampled output
             self._apply_due_output(step)  # 5 output
-        self._end_step(step)
+            self._end_step(step, flush=not self.outputs_ride_next_proxy)
         if tracing:
             computed = max(handle.ended_at, self.launched_at)  # an empty slot ran nothing
             self.tracer.record(
@@ -248,8 +256,11 @@ class StageLoop:
             batch = self.scheduler.inflight[due]
             self.deltas += self.scheduler.apply_output(self.tail.take_output(batch))
 
-    def _end_step(self, step: int) -> None:
-        self._send_queued()
+    def _end_step(self, step: int, flush: bool) -> None:
+        """What the step queued leaves, unless it is only the output stage 0 applied: that one
+        waits for the next step's reqs and proxy (`outputs_ride_next_proxy`)."""
+        if flush:
+            self._send_queued()
         self.head.send_deltas(step, self._take_deltas())
         self.stats.steps += 1
 

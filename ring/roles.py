@@ -111,6 +111,8 @@ class FrontendHead:
     def _next_intake(self, may_block: bool, sched: Scheduler) -> Any | None:
         intake = self.links.intake
         if may_block and sched.is_idle() and not self.shutting_down:
+            if self.links.next is not None:  # the last output (StageLoop.outputs_ride_next_proxy)
+                self.links.next.flush()
             started = time.monotonic()
             msg = self.control.wait_for_intake(intake)
             self.stats.idle_s += time.monotonic() - started
