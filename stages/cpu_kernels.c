@@ -2800,20 +2800,49 @@ int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, co
     return 0;
 }
 
-/* The last stage's finish of a batch whose every row samples greedily, in one call: per row
- * x = rmsnorm(h + residual) * norm_weight, its logits over the lm_head's rows, and their first
- * maximal index into out [N]: the kernels stages/runner.py otherwise calls one at a time
- * (add_rms_norm, the lm_head's matmul, row_argmax), in the same order on the same values.
- * scratch holds 2 N d + N V elements (h + residual, x, the logits). Returns 0, or -1 where
- * the lm_head's kind is one this build lacks. */
+/* A greedy finish of a batch whose every row samples greedily, in one call: the kernels
+ * stages/runner.py otherwise calls one at a time (add_rms_norm, the lm_head's matmul,
+ * row_argmax, the comparison of a split lm_head's two maxima), in the same order on the same
+ * values, so the tokens are the same.
+ *
+ * With `residual` (the last stage): x = rmsnorm(h + residual) * norm_weight per row, then its
+ * logits; without (NULL: the first stage's half of a split lm_head, h already normed), h's
+ * logits. Each row's first maximal index plus `token_base` (the stage's first vocabulary row)
+ * goes to out [N]; with `best` [N] (NULL: not wanted) that maximal logit too, in the element
+ * type. With `their_best` [N] and `their_token` [N] (the other half's maxima, whose ids are
+ * all higher), a row whose their_best is greater takes their_token: a tie goes to the lower
+ * id, as an argmax over the whole row would.
+ *
+ * scratch holds 2 N d + N V elements (h + residual, x, the logits); with `x_out` [N, d]
+ * (non-NULL) x goes there instead, for the caller to keep. Returns 0, or -1 where the lm_head's
+ * kind is one this build lacks. */
 int ppr_greedy_head(const ppr_linear_t *head, int elem_bytes, const void *h, const void *residual,
-                    const void *norm_weight, float eps, int N, int d, void *scratch,
-                    int64_t *out) {
-    char *sum = scratch, *x = sum + (int64_t)N * d * elem_bytes;
-    char *logits = x + (int64_t)N * d * elem_bytes;
-    ppr_add_rms_norm(elem_bytes, h, residual, norm_weight, sum, x, N, d, eps);
-    if (run_linear(head, elem_bytes, x, logits, N)) return -1;
+                    const void *norm_weight, float eps, int N, int d, void *scratch, void *x_out,
+                    int64_t token_base, int64_t *out, void *best, const void *their_best,
+                    const int64_t *their_token) {
+    char *sum = scratch, *x = x_out ? x_out : sum + (int64_t)N * d * elem_bytes;
+    char *logits = sum + 2 * (int64_t)N * d * elem_bytes;
+    const void *rows = h;
+    if (residual) {
+        ppr_add_rms_norm(elem_bytes, h, residual, norm_weight, sum, x, N, d, eps);
+        rows = x;
+    }
+    if (run_linear(head, elem_bytes, rows, logits, N)) return -1;
     ppr_row_argmax(elem_bytes, logits, head->n, out, N, head->n);
+    for (int n = 0; n < N; n++) {
+        const int64_t at = (int64_t)n * head->n + out[n];
+        float own, theirs = 0.0f;
+        if (elem_bytes == 4) {
+            own = ((const float *)logits)[at];
+            if (best) ((float *)best)[n] = own;
+            if (their_best) theirs = ((const float *)their_best)[n];
+        } else {
+            own = bf16_load(((const uint16_t *)logits)[at]);
+            if (best) ((uint16_t *)best)[n] = ((const uint16_t *)logits)[at];
+            if (their_best) theirs = bf16_load(((const uint16_t *)their_best)[n]);
+        }
+        out[n] = their_best && theirs > own ? their_token[n] : out[n] + token_base;
+    }
     return 0;
 }
 

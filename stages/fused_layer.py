@@ -11,7 +11,8 @@ that).
 
 Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
 the kernels' layouts (not DenseLinear). `PPRING_FUSED_LAYERS=0` turns it off (to compare).
-`GreedyHead` does the same for a last stage's final norm, lm_head and argmax.
+`GreedyHead` does the same for a greedy decode batch's finish: the final norm, the lm_head and
+the argmax, and with the lm_head split each stage's part of them.
 """
 
 from __future__ import annotations
@@ -296,46 +297,97 @@ class FusedLayers:
 
 
 class GreedyHead:
-    """The last stage's finish when every row of a batch samples greedily (a decode batch of
-    plain greedy requests): the final norm, the lm_head and the argmax in one call of
-    ppr_greedy_head, the kernels the step otherwise calls one by one, so the tokens are the
-    same. What goes is their Python: three wrappers, four allocations and their checks, ~100 us
-    of a single stream's step on the 2-core Zen 4, where code runs out of cache between weight
-    streams (stages/ops.py RopeTable)."""
+    """A stage's greedy finish when every row of a batch samples plain-greedy (a decode batch
+    of plain greedy requests), in one call of ppr_greedy_head: the kernels the step otherwise
+    calls one by one, so the tokens are the same. What goes is their Python: wrappers,
+    allocations and checks, ~100 us a call on the 2-core Zen 4, where code runs out of cache
+    between weight streams (stages/ops.py RopeTable). Three finishes:
+
+    - `tokens`: the last stage of a whole lm_head: final norm, lm_head, argmax;
+    - `share`: the last stage of a split lm_head: final norm, its rows' logits, their maxima;
+    - `join`: the first stage of a split lm_head: its rows' maxima against the last stage's.
+    """
 
     def __init__(
-        self, head: _Linear, norm_weight: torch.Tensor, eps: float, kernels: NativeKernels
+        self,
+        head: _Linear,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        dtype: torch.dtype,
+        token_base: int,
+        kernels: NativeKernels,
     ) -> None:
         self._call = kernels.greedy_head
         self._head = head  # kept alive: C reads it
         self._head_at = ctypes.addressof(head)
-        self.norm_weight = norm_weight  # [d]
+        self.norm_weight = norm_weight  # [d]; None on the first stage of a split lm_head
         self.eps = eps
-        self.dtype = norm_weight.dtype
+        self.dtype = dtype
+        self.token_base = token_base  # the stage's first vocabulary row
 
     @classmethod
     def build(
-        cls, lm_head: nn.Module, norm_weight: torch.Tensor, eps: float,
-        kernels: NativeKernels | None,
+        cls, lm_head: nn.Module, norm_weight: torch.Tensor | None, eps: float,
+        dtype: torch.dtype, token_base: int, kernels: NativeKernels | None,
     ) -> GreedyHead | None:  # fmt: skip
         """GreedyHead where the kernels hold the lm_head, else None (the step's calls)."""
-        dtype = norm_weight.dtype
         if not enabled() or kernels is None or dtype not in _ELEM_BYTES:
             return None
         head = _linear(lm_head, dtype)
-        return None if head is None else cls(head, norm_weight, eps, kernels)
+        return None if head is None else cls(head, norm_weight, eps, dtype, token_base, kernels)
 
     def tokens(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """h, residual [N, d] -> [N] int64: each row's greedy token (the first maximal logit)."""
-        h, residual = h.contiguous(), residual.contiguous()
+        out, _, _ = self._finish(h, residual, keep_x=False, want_best=False)
+        return out
+
+    def share(
+        self, h: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h, residual [N, d] -> x [N, d] (the final norm's output, for the first stage), and
+        over this stage's rows each row's maximal logit [N] and its token [N] int64."""
+        token, x, best = self._finish(h, residual, keep_x=True, want_best=True)
+        return x, best, token
+
+    def join(
+        self, x: torch.Tensor, their_best: torch.Tensor, their_token: torch.Tensor
+    ) -> torch.Tensor:
+        """x [N, d] (normed), the last stage's maxima [N] and tokens [N] -> [N] int64: each
+        row's greedy token over the whole vocabulary."""
+        their_best = their_best.to(self.dtype).contiguous()
+        their_token = their_token.to(torch.int64).contiguous()
+        assert their_best.shape == their_token.shape == x.shape[:1]
+        out, _, _ = self._finish(x, None, False, False, their_best, their_token)
+        return out
+
+    def _finish(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        keep_x: bool,
+        want_best: bool,
+        their_best: torch.Tensor | None = None,
+        their_token: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        h = h.contiguous()
         rows, hidden = h.shape
-        assert h.dtype == residual.dtype == self.dtype and residual.shape == h.shape
+        assert h.dtype == self.dtype and (residual is None) == (self.norm_weight is None)
+        if residual is not None:
+            residual = residual.contiguous()
+            assert residual.dtype == self.dtype and residual.shape == h.shape
         # h + residual [N, d], x [N, d], logits [N, V]
         scratch = torch.empty(rows * (2 * hidden + self._head.n), dtype=self.dtype)
+        x = torch.empty(rows, hidden, dtype=self.dtype) if keep_x else None
+        best = torch.empty(rows, dtype=self.dtype) if want_best else None
         out = torch.empty(rows, dtype=torch.int64)
         self._call(
-            self._head_at, _ELEM_BYTES[self.dtype], h.data_ptr(), residual.data_ptr(),
-            self.norm_weight.data_ptr(), self.eps, rows, hidden, scratch.data_ptr(),
-            out.data_ptr(),
+            self._head_at, _ELEM_BYTES[self.dtype], h.data_ptr(), _address(residual),
+            _address(self.norm_weight), self.eps, rows, hidden, scratch.data_ptr(),
+            _address(x), self.token_base, out.data_ptr(), _address(best),
+            _address(their_best), _address(their_token),
         )  # fmt: skip
-        return out
+        return out, x, best
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

@@ -185,12 +185,18 @@ class LlamaStage(nn.Module):
             # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
             # cannot: the embedding stays exact in its own copy.
             head_serves_lookup = tied and whole and hasattr(self.lm_head, "rows")
-        # The last stage of a whole lm_head on the CPU kernels: a greedy decode batch's final
-        # norm, lm_head and argmax in one call (stages/fused_layer.py); None: one at a time.
+        # A stage with lm_head rows on the CPU kernels: a greedy decode batch's finish (final
+        # norm on the last stage, lm_head, argmax, a split's two maxima) in one call
+        # (stages/fused_layer.py); None: one at a time.
         self.greedy_head: GreedyHead | None = None
-        if self.is_last_stage and head_rows == (0, config.vocab_size):
+        if head_rows is not None:
             self.greedy_head = GreedyHead.build(
-                self.lm_head, self.final_norm, config.rms_norm_eps, kind.kernels
+                self.lm_head,
+                self.final_norm if self.is_last_stage else None,
+                config.rms_norm_eps,
+                self.dtype,
+                head_rows[0],
+                kind.kernels,
             )
         # The first stage's lookup table, in the stage dtype (the matrices may come in fp32 for
         # a bf16 stage: stages/linear.py source_dtype); None where the lm_head serves it.

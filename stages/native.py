@@ -127,6 +127,7 @@ class NativeKernels:
         lib.ppr_greedy_head.restype = ctypes.c_int
         lib.ppr_greedy_head.argtypes = [_vp, ctypes.c_int] + [_vp] * 3
         lib.ppr_greedy_head.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, _vp, _vp]
+        lib.ppr_greedy_head.argtypes += [ctypes.c_int64, _vp, _vp, _vp, _vp]
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -568,15 +569,17 @@ class NativeKernels:
             raise RuntimeError("a matmul of the fused decoder layer failed (see cpu_kernels.c)")
 
     def greedy_head(
-        self, head: int, elem_bytes: int, h: int, residual: int, norm_weight: int, eps: float,
-        rows: int, hidden: int, scratch: int, out: int,
+        self, head: int, elem_bytes: int, h: int, residual: int | None, norm_weight: int | None,
+        eps: float, rows: int, hidden: int, scratch: int, x_out: int | None, token_base: int,
+        out: int, best: int | None, their_best: int | None, their_token: int | None,
     ) -> None:  # fmt: skip
-        """Final norm, lm_head and argmax of `rows` rows in one call over raw addresses: the
-        lm_head's struct at `head` and the buffers stages/fused_layer.py lays out (it checks
-        them)."""
+        """A greedy finish of `rows` rows in one call over raw addresses (None: NULL): the
+        lm_head's struct at `head` and the buffers stages/fused_layer.py GreedyHead lays out
+        (it checks them); cpu_kernels.c ppr_greedy_head says what each is."""
         status = self._lib.ppr_greedy_head(
-            head, elem_bytes, h, residual, norm_weight, eps, rows, hidden, scratch, out
-        )
+            head, elem_bytes, h, residual, norm_weight, eps, rows, hidden, scratch, x_out,
+            token_base, out, best, their_best, their_token,
+        )  # fmt: skip
         if status != 0:
             raise RuntimeError("the lm_head's kernel refused (see cpu_kernels.c)")
 

@@ -493,11 +493,19 @@ class StageRunner(Stage):
         A batch of plain greedy rows needs only each row's best logit: 16 bytes a row travel
         instead of (V - cut) logits."""
         params = _picked_params(chunks, sampling)
+        greedy = all(_plain_greedy(p) for p in params)
         empty = torch.empty(0)
         with torch.inference_mode():
+            head = self.model.greedy_head
+            if greedy and head is not None and len(params) == step.h.shape[0]:
+                # every row samples (a decode batch): final norm, lm_head and maxima at once
+                x, best_logit, best_token = head.share(step.h, step.residual)
+                return LogitsShare(
+                    hidden=x, logits=empty, best_logit=best_logit, best_token=best_token
+                )
             x = self.model.final_hidden(step.h, step.residual, step.inputs.sample_rows)  # [N, d]
             part = self.model.lm_head(x)  # [N, V - cut]
-            if not all(_plain_greedy(p) for p in params):
+            if not greedy:
                 return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
             best = self.model.ops.row_argmax(part)  # [N]: the first of equal maxima, as over all V
             best_logit = part.gather(1, best[:, None]).squeeze(1)  # [N]
@@ -521,6 +529,10 @@ class StageRunner(Stage):
             return SampleResult(token_ids=[])
         with torch.inference_mode():
             hidden = on_device(share["hidden"], self.device).to(self.device, self.dtype)
+            head = self.model.greedy_head
+            if share["best_token"].numel() and head is not None:  # plain greedy, in one call
+                tokens = head.join(hidden, share["best_logit"], share["best_token"])
+                return SampleResult(token_ids=tokens.tolist())
             own = self.model.lm_head(hidden)  # [N, cut]
             if share["best_token"].numel():  # plain greedy: the better of two maxima
                 best_own = self.model.ops.row_argmax(own)  # [N]

@@ -132,7 +132,9 @@ class Chain:
         quantization: str = "none",
         cuda_graph_max_bs: int | None = None,
         graph_recorder: GraphRecorder | None = None,
+        split_lm_head: bool = False,
     ) -> None:
+        self.split_lm_head = split_lm_head and len(partition) > 1
         self.stages = [
             StageRunner(
                 folder,
@@ -144,6 +146,7 @@ class Chain:
                 quantization=quantization,
                 cuda_graph_max_bs=cuda_graph_max_bs,
                 graph_recorder=graph_recorder,
+                split_lm_head=self.split_lm_head,
             )
             for rank in range(len(partition))
         ]
@@ -179,6 +182,8 @@ class Chain:
     ) -> SampleResult:
         seam = self._through(chunks)
         out = self.stages[-1].run(chunks, **seam, sampling=sampling, histories=histories)
+        if self.split_lm_head:  # the last stage's share, sampled on the first stage
+            out = self.stages[0].sample_share(chunks, out, sampling, histories)
         assert isinstance(out, SampleResult)
         return out
 

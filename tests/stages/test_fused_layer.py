@@ -7,7 +7,9 @@ lm_head and argmax called one by one pick."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,28 +101,43 @@ def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
 ) -> None:
     partition, dtype, quantization = stage_kind
     prompts = [seq[:n] for seq, n in zip(SEQS, PROMPT_LENS, strict=True)]
-    rows_per_call: list[int] = []
-    original = fused_layer.GreedyHead.tokens
+    calls: list[tuple[str, int]] = []  # (finish, rows) of each one-call finish
 
-    def counted(head: fused_layer.GreedyHead, h: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        rows_per_call.append(h.shape[0])
-        return original(head, h, r)
+    def counting(name: str) -> Callable[..., torch.Tensor]:
+        original = getattr(fused_layer.GreedyHead, name)
 
-    for folder in (tiny_dirs["gqa"], grid_dir):
-        outputs = []
-        for one_call in (True, False):
-            chain = Chain(folder, partition, dtype=dtype, quantization=quantization)
-            last = chain.stages[-1].model
-            assert isinstance(last.greedy_head, fused_layer.GreedyHead)
-            if not one_call:
-                last.greedy_head = None  # the norm, lm_head and argmax one at a time
-            rows_per_call.clear()
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setattr(fused_layer.GreedyHead, "tokens", counted)
-                outputs.append(greedy_generate(chain, prompts, max_new_tokens=9))
-            # every decode step, not the prefill (3 sampled rows of 33)
-            assert rows_per_call == ([3] * 8 if one_call else [])
-        assert outputs[0] == outputs[1]
+        def counted(head: fused_layer.GreedyHead, h: torch.Tensor, *rest: torch.Tensor) -> Any:
+            calls.append((name, h.shape[0]))
+            return original(head, h, *rest)
+
+        return counted
+
+    # with two stages, the lm_head split too: the last stage's share, joined on the first
+    for split in (False, True) if len(partition) > 1 else (False,):
+        finishes = ["share", "join"] if split else ["tokens"]
+        for folder in (tiny_dirs["gqa"], grid_dir):
+            outputs = []
+            for one_call in (True, False):
+                chain = Chain(
+                    folder, partition, dtype=dtype, quantization=quantization, split_lm_head=split
+                )
+                heads = [stage.model for stage in chain.stages if stage.model.head_rows]
+                assert len(heads) == len(finishes)
+                for model in heads:
+                    assert isinstance(model.greedy_head, fused_layer.GreedyHead)
+                    if not one_call:
+                        model.greedy_head = None  # the norm, lm_head and argmax one at a time
+                calls.clear()
+                with pytest.MonkeyPatch.context() as patch:
+                    for name in ("tokens", "share", "join"):
+                        patch.setattr(fused_layer.GreedyHead, name, counting(name))
+                    outputs.append(greedy_generate(chain, prompts, max_new_tokens=9))
+                # every decode step, not the prefill (3 sampled rows of 33), whose greedy share
+                # the first stage still joins in one call
+                expected = [(name, 3) for _ in range(8) for name in finishes]
+                expected = [("join", 3), *expected] if split else expected
+                assert calls == (expected if one_call else [])
+            assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize(
