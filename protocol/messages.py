@@ -287,7 +287,8 @@ class RequestDelta:
 
 @dataclass(frozen=True)
 class Deltas:
-    """Stage 0 to the frontend: new tokens and finishes, one message per step that has any."""
+    """Stage 0 to the frontend: new tokens and finishes, one message per round of the ring's
+    slots that has any, sooner for a first token or a finish (ring/loop.py `_deltas_due`)."""
 
     kind: ClassVar[str] = "deltas"
     step: int

@@ -45,6 +45,7 @@ class RingDriver:
         self.logprobs: dict[str, list[float | None]] = {}
         self.finished: dict[str, RequestDelta] = {}
         self.num_finishes: dict[str, int] = {}
+        self.messages: list[list[str]] = []  # per Deltas message, the requests it told of
         self.ctrl: list[Control] = []
 
     def submit_many(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
@@ -69,6 +70,7 @@ class RingDriver:
         except ChannelTimeout:
             return False
         if isinstance(msg, Deltas):
+            self.messages.append([delta.rid for delta in msg.deltas])
             for delta in msg.deltas:
                 if delta.token_id is not None:
                     self.tokens.setdefault(delta.rid, []).append(delta.token_id)

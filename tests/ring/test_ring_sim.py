@@ -8,8 +8,11 @@ import time
 
 import pytest
 
+from protocol.messages import RequestDelta
 from protocol.sampling import SamplingParams
 from ring.config import RingConfig
+from ring.loop import deltas_due
+from ring.request import Req
 from tests.ring.conftest import SimSpec, expected_tokens, random_requests, sim_ring
 
 
@@ -93,6 +96,46 @@ def test_a_split_lm_head_gets_every_request_exactly_its_tokens(pp_size, depth, o
         submit_at_random_times(ring, requests, rng)
         ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
         assert_all_exact(ring, requests)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("depth", "split"), [(0, False), (0, True), (1, False)])
+def test_stage_0_tells_the_frontend_once_a_round(depth, split):
+    """Without overlap (a CPU ring), stage 0 sends the frontend one message a round of slots:
+    in a steady decode it tells of every running request once. Unbatched, a round of L slots
+    would be L messages."""
+    cfg = RingConfig(
+        pp_size=2, pp_async_batch_depth=depth, max_running_requests=8, split_lm_head=split
+    )
+    new_tokens = 30
+    requests = [
+        (f"r{i}", [i + 1] * 4, SamplingParams(max_new_tokens=new_tokens, seed=i)) for i in range(8)
+    ]
+    with sim_ring(cfg, SimSpec(t0_s=0.0005, overlap=False)) as ring:
+        ring.driver.submit_many(requests)
+        ring.driver.wait_finished([r[0] for r in requests], timeout_s=30)
+        assert_all_exact(ring, requests)
+    messages = ring.driver.messages
+    assert all(len(rids) == len(set(rids)) for rids in messages)  # a request once a message
+    assert sum(len(rids) == len(requests) for rids in messages) >= new_tokens - 5
+    # a first token or a finish goes at once: a few more messages than rounds, not L times
+    assert len(messages) <= new_tokens + 2 * cfg.pp_loop_size
+
+
+def test_a_first_token_a_finish_or_an_idle_ring_do_not_wait_for_the_round():
+    def req(rid: str, num_out: int) -> Req:
+        return Req(rid, [1, 2], SamplingParams(), 0, output_ids=list(range(num_out)))
+
+    running = {"a": req("a", 5), "b": req("b", 1)}
+    later, first = RequestDelta("a", 7, None, ""), RequestDelta("b", 7, None, "")
+    finish = RequestDelta("c", 7, None, "length")  # finished: no longer running
+    assert not deltas_due(0, 2, False, [later], running)  # mid-round: held
+    assert deltas_due(1, 2, False, [later], running)  # the round's last step
+    assert deltas_due(0, 1, False, [later], running)  # one slot: every step ends a round
+    assert deltas_due(0, 2, True, [later], running)  # nothing else would send them
+    assert deltas_due(0, 2, False, [later, first], running)
+    assert deltas_due(3, 3, False, [finish], running)
+    assert not deltas_due(3, 3, False, [later], running)
 
 
 @pytest.mark.timeout(120)
