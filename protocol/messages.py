@@ -288,7 +288,7 @@ class RequestDelta:
 @dataclass(frozen=True)
 class Deltas:
     """Stage 0 to the frontend: new tokens and finishes, one message per round of the ring's
-    slots that has any, sooner for a first token or a finish (ring/loop.py `_deltas_due`)."""
+    slots that has any, sooner for a first token or a finish (ring/loop.py `deltas_due`)."""
 
     kind: ClassVar[str] = "deltas"
     step: int

@@ -12,7 +12,9 @@ Iteration `step` handles slot `step % pp_loop_size`, in DESIGN.md §6's steps:
                 `pp_async_batch_depth` steps later).
     5. output   apply the output of step `step + 1 - pp_loop_size` (the slot that comes next),
                 received from the predecessor (the last stage keeps its own), and forward it
-                unless the next stage is the last (which produced it).
+                unless the next stage is the last (which produced it). Without overlap, stage
+                0 forwards it with the next step's reqs and proxy, and tells the frontend
+                once a round of slots (`deltas_due`).
 
 Sending before waiting for an output (6 before 5) is the reordering SGLang's event_loop_pp
 docstring allows: the next stage starts as early as possible.
@@ -76,7 +78,7 @@ class StageLoop:
         )
         self.scheduler: Scheduler | None = None  # built by the handshake
         self.prepared: Batch | None = None  # the next step's batch, decided during a forward
-        self.deltas: list[RequestDelta] = []  # for the frontend, sent once per step
+        self.deltas: list[RequestDelta] = []  # for the frontend, sent once a round (deltas_due)
         self.launched_at = 0.0
         self.tracer: StepTracer | None = None  # --trace-steps, opened once the ring is ready
         # Stage 0 of a ring sends the output it applied at step k (sampled there with the
@@ -161,6 +163,7 @@ class StageLoop:
         handle = self._launch(batch, seam)  # 4 run
         if handle.overlaps and self.cfg.pp_loop_size > 1:
             self._finish_overlapped(step, batch, handle)  # 6, 5 and the next 1-2 while it runs
+            self.head.send_deltas(step, self._take_deltas())  # as applied: not once a round
             self._end_step(step, flush=True)
         else:
             self._send(batch, self._wait(handle))  # 6 send: the proxy or the sampled output
