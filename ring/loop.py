@@ -163,12 +163,11 @@ class StageLoop:
         handle = self._launch(batch, seam)  # 4 run
         if handle.overlaps and self.cfg.pp_loop_size > 1:
             self._finish_overlapped(step, batch, handle)  # 6, 5 and the next 1-2 while it runs
-            self.head.send_deltas(step, self._take_deltas())  # as applied: not once a round
-            self._end_step(step, flush=True)
+            self._end_step(step, overlapped=True)
         else:
             self._send(batch, self._wait(handle))  # 6 send: the proxy or the sampled output
             self._apply_due_output(step)  # 5 output
-            self._end_step(step, flush=not self.outputs_ride_next_proxy)
+            self._end_step(step, overlapped=False)
         if tracing:
             computed = max(handle.ended_at, self.launched_at)  # an empty slot ran nothing
             self.tracer.record(
@@ -261,12 +260,14 @@ class StageLoop:
             batch = self.scheduler.inflight[due]
             self.deltas += self.scheduler.apply_output(self.tail.take_output(batch))
 
-    def _end_step(self, step: int, flush: bool) -> None:
-        """What the step queued leaves, unless it is only the output stage 0 applied: that one
-        waits for the next step's reqs and proxy (`outputs_ride_next_proxy`)."""
-        if flush:
+    def _end_step(self, step: int, overlapped: bool) -> None:
+        """What the step queued leaves, and stage 0 tells the frontend what it applied. Without
+        overlap, stage 0's applied output waits for the next step's reqs and proxy
+        (`outputs_ride_next_proxy`) and its deltas for the round's end (`deltas_due`); with
+        overlap both go now. Other stages have no frontend: their deltas are dropped."""
+        if overlapped or not self.outputs_ride_next_proxy:
             self._send_queued()
-        if self._deltas_due(step):
+        if overlapped or not self.cfg.is_first_stage or self._deltas_due(step):
             self.head.send_deltas(step, self._take_deltas())
         self.stats.steps += 1
 

@@ -232,7 +232,7 @@ class FusedLayers:
         )
         step_at = ctypes.addressof(step)
         kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
-        res_in = None if residual is None else residual.data_ptr()
+        res_in = _address(residual)
         self._call(
             self._layers_at, len(self._layers), step_at, h.data_ptr(), res_in,
             residual_out.data_ptr(), kv_base, kv_stride, out.data_ptr(),
