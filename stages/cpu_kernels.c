@@ -841,20 +841,16 @@ static void attend_task(const Task *task, int elem_bytes, const void *q, const v
  * 6.3 -> 8.2 (slower), 256 13.8 -> 13.6, 512 25.7 -> 22.0, 1024 46.3 -> 37.9. */
 #define LONE_CONTEXT 512
 
-/* Attention of every query row in a packed batch over its sequence's paged context.
- * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
- * multiple of Hkv or scratch cannot be allocated. */
-int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
-                        const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
-                        const int32_t *table, int table_stride, int64_t num_slots, int H, int Hkv,
-                        int D, float scale) {
-    if (Hkv <= 0 || H % Hkv != 0 || (elem_bytes != 4 && elem_bytes != 2)) return -1;
+/* The tasks of one attention call for a team of num_threads threads (see ppr_paged_attention):
+ * their count, and with `tasks` (non-NULL) the tasks themselves. How the work is cut depends on
+ * the team and the batch; each head's arithmetic does not. */
+static int attention_plan(int elem_bytes, int num_seqs, const int32_t *q_len,
+                          const int32_t *ctx_len, int H, int Hkv, int D, int num_threads,
+                          Task *tasks) {
     const int G = H / Hkv;
-    if (G > MAX_TILE_ROWS) return -1;
     /* A task holds up to MAX_TILE_ROWS query vectors. All KV heads in one task read each page
      * front to back; with few sequences (a single stream) the heads are split instead, so every
      * thread has work. */
-    const int num_threads = omp_get_max_threads();
     int row_tiles = 0;
     for (int s = 0; s < num_seqs; s++) row_tiles += q_len[s];
     int groups_per_task = MAX_TILE_ROWS / G;
@@ -879,37 +875,70 @@ int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out
     }
     int rows_per_task = MAX_TILE_ROWS / (heads_per_task * groups_per_task);
     if (rows_per_task < 1) rows_per_task = 1;
-    const int tasks_per_tile =
-        (Hkv + groups_per_task - 1) / groups_per_task * (G / heads_per_task);
-    int num_tasks = 0;
-    for (int s = 0; s < num_seqs; s++)
-        num_tasks += tasks_per_tile * ((q_len[s] + rows_per_task - 1) / rows_per_task);
-    Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
-    if (!tasks) return -1;
     int n = 0;
     for (int s = 0; s < num_seqs; s++)
         for (int row0 = 0; row0 < q_len[s]; row0 += rows_per_task)
             for (int g0 = 0; g0 < Hkv; g0 += groups_per_task)
-                for (int h0 = 0; h0 < G; h0 += heads_per_task) {
+                for (int h0 = 0; h0 < G; h0 += heads_per_task, n++) {
+                    if (!tasks) continue;
                     int rows = q_len[s] - row0 < rows_per_task ? q_len[s] - row0 : rows_per_task;
                     int g1 = g0 + groups_per_task < Hkv ? g0 + groups_per_task : Hkv;
-                    tasks[n++] = (Task){s, g0, g1, row0, rows, h0, heads_per_task};
+                    tasks[n] = (Task){s, g0, g1, row0, rows, h0, heads_per_task};
                 }
-    const size_t scratch_floats = (size_t)2 * MAX_TILE_ROWS * D + 2 * PAGE * D;
+    return n;
+}
+
+/* floats of one thread's attention scratch (attend_task) */
+static size_t attention_scratch_floats(int D) {
+    return (size_t)2 * MAX_TILE_ROWS * D + 2 * PAGE * D;
+}
+
+/* The tasks dealt out over the team this runs in (an orphaned `omp for`: called outside a
+ * parallel region, one thread takes them all), each thread with its own scratch (NULL: that
+ * thread's tasks are skipped, and the caller reports the failure). */
+static void attention_run(const Task *tasks, int num_tasks, int elem_bytes, const void *q,
+                          const void *kv, void *out, const int32_t *q_start, const int32_t *q_len,
+                          const int32_t *ctx_len, const int32_t *table, int table_stride,
+                          int64_t num_slots, int H, int Hkv, int D, float scale, float *scratch) {
+    /* dynamic: a prefill task costs many times a decode task */
+#pragma omp for schedule(dynamic, 1)
+    for (int i = 0; i < num_tasks; i++)
+        if (scratch)
+            attend_task(&tasks[i], elem_bytes, q, kv, out, q_start, q_len, ctx_len, table,
+                        table_stride, num_slots, H, Hkv, D, scale, scratch);
+}
+
+/* Whether ppr_paged_attention takes these shapes: H a multiple of Hkv, a KV group's heads in
+ * one tile, fp32 or bf16. */
+static int attention_shapes_ok(int elem_bytes, int H, int Hkv) {
+    return Hkv > 0 && H % Hkv == 0 && H / Hkv <= MAX_TILE_ROWS &&
+           (elem_bytes == 4 || elem_bytes == 2);
+}
+
+/* Attention of every query row in a packed batch over its sequence's paged context.
+ * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
+ * multiple of Hkv or scratch cannot be allocated. */
+int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
+                        const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                        const int32_t *table, int table_stride, int64_t num_slots, int H, int Hkv,
+                        int D, float scale) {
+    if (!attention_shapes_ok(elem_bytes, H, Hkv)) return -1;
+    const int num_threads = omp_get_max_threads();
+    const int num_tasks =
+        attention_plan(elem_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, NULL);
+    Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    if (!tasks) return -1;
+    attention_plan(elem_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, tasks);
     int failed = 0;
 #pragma omp parallel
     {
-        float *scratch = malloc(sizeof(float) * scratch_floats);
+        float *scratch = malloc(sizeof(float) * attention_scratch_floats(D));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* dynamic: a prefill task costs many times a decode task */
-#pragma omp for schedule(dynamic, 1)
-        for (int i = 0; i < num_tasks; i++)
-            if (scratch)
-                attend_task(&tasks[i], elem_bytes, q, kv, out, q_start, q_len, ctx_len, table,
-                            table_stride, num_slots, H, Hkv, D, scale, scratch);
+        attention_run(tasks, num_tasks, elem_bytes, q, kv, out, q_start, q_len, ctx_len, table,
+                      table_stride, num_slots, H, Hkv, D, scale, scratch);
         free(scratch);
     }
     free(tasks);
@@ -1801,72 +1830,86 @@ int ppr_unpack_grid(const uint8_t *codes, const float *scale, const float *offse
 /* residual_out = h + residual (or h, when residual is NULL: a stage's first layer), then
  * x_out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight, rows [T, d]. The add is
  * rounded to the dtype before the norm reads it, as torch's separate ops do; the norm's
- * statistics are fp32 whatever the dtype, as transformers computes them. */
+ * statistics are fp32 whatever the dtype, as transformers computes them. Row t here;
+ * add_rms_norm_rows and ppr_add_rms_norm take them all. */
+static inline void add_rms_norm_row(int elem_bytes, const void *h, const void *residual,
+                                    const void *weight, void *residual_out, void *x_out, int t,
+                                    int d, float eps) {
+    const int64_t row = (int64_t)t * d;
+    float sum_sq = 0.0f;
+    if (elem_bytes == 4) {
+        const float *hr = (const float *)h + row;
+        const float *rr = residual ? (const float *)residual + row : NULL;
+        float *out = (float *)residual_out + row;
+        if (rr) {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < d; i++) {
+                out[i] = hr[i] + rr[i];
+                sum_sq += out[i] * out[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int i = 0; i < d; i++) {
+                out[i] = hr[i];
+                sum_sq += out[i] * out[i];
+            }
+        }
+        const float inv = 1.0f / sqrtf(sum_sq / d + eps);
+        const float *w = (const float *)weight;
+        float *x = (float *)x_out + row;
+#pragma omp simd
+        for (int i = 0; i < d; i++) x[i] = out[i] * inv * w[i];
+    } else {
+        uint16_t *out = (uint16_t *)residual_out + row;
+        const uint16_t *hb = (const uint16_t *)h + row, *wb = (const uint16_t *)weight;
+        const uint16_t *rb = residual ? (const uint16_t *)residual + row : NULL;
+        uint16_t *xb = (uint16_t *)x_out + row;
+        int i0 = 0;
+#ifdef HAVE_AVX2_ATTENTION
+        __m256 sq = _mm256_setzero_ps();
+        for (; i0 + 8 <= d; i0 += 8) {
+            __m256 r = bf16x8_load(hb + i0);
+            if (rb) r = bf16x8_round(_mm256_add_ps(r, bf16x8_load(rb + i0)));
+            bf16x8_store(out + i0, r);
+            sq = _mm256_fmadd_ps(r, r, sq);
+        }
+        sum_sq = hsum8(sq);
+#endif
+        for (int i = i0; i < d; i++) {
+            float r = bf16_load(hb[i]);
+            if (rb) r = bf16_load(bf16_store(r + bf16_load(rb[i])));
+            out[i] = bf16_store(r);
+            sum_sq += r * r;
+        }
+        const float inv = 1.0f / sqrtf(sum_sq / d + eps);
+        /* rounded where transformers rounds: the normalized value, then the product */
+        int i1 = 0;
+#ifdef HAVE_AVX2_ATTENTION
+        const __m256 inv8 = _mm256_set1_ps(inv);
+        for (; i1 + 8 <= d; i1 += 8)
+            bf16x8_store(xb + i1, _mm256_mul_ps(bf16x8_round(_mm256_mul_ps(
+                                                    bf16x8_load(out + i1), inv8)),
+                                                bf16x8_load(wb + i1)));
+#endif
+        for (int i = i1; i < d; i++)
+            xb[i] = bf16_store(bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
+                               bf16_load(wb[i]));
+    }
+}
+
+/* ppr_add_rms_norm's rows, shared by the team this runs in (orphaned) */
+static void add_rms_norm_rows(int elem_bytes, const void *h, const void *residual,
+                              const void *weight, void *residual_out, void *x_out, int T, int d,
+                              float eps) {
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++)
+        add_rms_norm_row(elem_bytes, h, residual, weight, residual_out, x_out, t, d, eps);
+}
+
 void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const void *weight,
                       void *residual_out, void *x_out, int T, int d, float eps) {
-#pragma omp parallel for schedule(guided, 4) if (T >= 8)
-    for (int t = 0; t < T; t++) {
-        const int64_t row = (int64_t)t * d;
-        float sum_sq = 0.0f;
-        if (elem_bytes == 4) {
-            const float *hr = (const float *)h + row;
-            const float *rr = residual ? (const float *)residual + row : NULL;
-            float *out = (float *)residual_out + row;
-            if (rr) {
-#pragma omp simd reduction(+ : sum_sq)
-                for (int i = 0; i < d; i++) {
-                    out[i] = hr[i] + rr[i];
-                    sum_sq += out[i] * out[i];
-                }
-            } else {
-#pragma omp simd reduction(+ : sum_sq)
-                for (int i = 0; i < d; i++) {
-                    out[i] = hr[i];
-                    sum_sq += out[i] * out[i];
-                }
-            }
-            const float inv = 1.0f / sqrtf(sum_sq / d + eps);
-            const float *w = (const float *)weight;
-            float *x = (float *)x_out + row;
-#pragma omp simd
-            for (int i = 0; i < d; i++) x[i] = out[i] * inv * w[i];
-        } else {
-            uint16_t *out = (uint16_t *)residual_out + row;
-            const uint16_t *hb = (const uint16_t *)h + row, *wb = (const uint16_t *)weight;
-            const uint16_t *rb = residual ? (const uint16_t *)residual + row : NULL;
-            uint16_t *xb = (uint16_t *)x_out + row;
-            int i0 = 0;
-#ifdef HAVE_AVX2_ATTENTION
-            __m256 sq = _mm256_setzero_ps();
-            for (; i0 + 8 <= d; i0 += 8) {
-                __m256 r = bf16x8_load(hb + i0);
-                if (rb) r = bf16x8_round(_mm256_add_ps(r, bf16x8_load(rb + i0)));
-                bf16x8_store(out + i0, r);
-                sq = _mm256_fmadd_ps(r, r, sq);
-            }
-            sum_sq = hsum8(sq);
-#endif
-            for (int i = i0; i < d; i++) {
-                float r = bf16_load(hb[i]);
-                if (rb) r = bf16_load(bf16_store(r + bf16_load(rb[i])));
-                out[i] = bf16_store(r);
-                sum_sq += r * r;
-            }
-            const float inv = 1.0f / sqrtf(sum_sq / d + eps);
-            /* rounded where transformers rounds: the normalized value, then the product */
-            int i1 = 0;
-#ifdef HAVE_AVX2_ATTENTION
-            const __m256 inv8 = _mm256_set1_ps(inv);
-            for (; i1 + 8 <= d; i1 += 8)
-                bf16x8_store(xb + i1, _mm256_mul_ps(bf16x8_round(_mm256_mul_ps(
-                                                        bf16x8_load(out + i1), inv8)),
-                                                    bf16x8_load(wb + i1)));
-#endif
-            for (int i = i1; i < d; i++)
-                xb[i] = bf16_store(bf16_load(bf16_store(bf16_load(out[i]) * inv)) *
-                                   bf16_load(wb[i]));
-        }
-    }
+#pragma omp parallel if (T >= 8)
+    add_rms_norm_rows(elem_bytes, h, residual, weight, residual_out, x_out, T, d, eps);
 }
 
 /* one bf16 head row x [D] rotated into o [D], rounded where transformers rounds in bf16: cos
@@ -1901,12 +1944,12 @@ static inline void rope_row_bf16(const uint16_t *x, const float *c, const float 
  * what attention reads); cos and signed sin are [T, D] fp32 (the sine's first half negated):
  * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. K and V land in rows of the cache, or as
  * pairs where kv_as_pairs. */
-void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
-                    const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
-                    int H, int Hkv, int D) {
+static void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+                            const float *cos, const float *sin, const int64_t *slots, void *kv,
+                            int64_t num_slots, int T, int H, int Hkv, int D) {
     const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
     const int64_t v_offset = num_slots * Hkv * D;
-#pragma omp parallel for schedule(guided, 4) if (T >= 8)
+#pragma omp for schedule(guided, 4)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
         /* pairs: slot j of its page; head g's keys and values start PAGE * D * g into the page */
@@ -1947,6 +1990,13 @@ void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, c
                    (size_t)elem_bytes * D);
         }
     }
+}
+
+void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
+                    const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
+                    int H, int Hkv, int D) {
+#pragma omp parallel if (T >= 8)
+    rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, slots, kv, num_slots, T, H, Hkv, D);
 }
 
 /* out[n] = the first index of row n's largest value of x[N, V] (rows `stride` elements apart),
@@ -2016,38 +2066,49 @@ static inline float exp_any(float x) {
 }
 
 /* out[T, I] = silu(gate) * up, where gate and up are [T, I] with rows strided by `row` elements
- * (a fused gate_up matmul's output holds both in one row). silu(x) = x / (1 + exp(-x)). */
-void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
-                  int I) {
-#pragma omp parallel for schedule(guided, 4) if (T >= 8)
-    for (int t = 0; t < T; t++) {
-        const int64_t src = (int64_t)t * row, dst = (int64_t)t * I;
-        if (elem_bytes == 4) {
-            const float *g = (const float *)gate + src, *u = (const float *)up + src;
-            float *o = (float *)out + dst;
-            int i = 0;
+ * (a fused gate_up matmul's output holds both in one row). silu(x) = x / (1 + exp(-x)). Row t
+ * here; silu_mul_rows and ppr_silu_mul take them all. */
+static inline void silu_mul_row(int elem_bytes, const void *gate, const void *up, int64_t row,
+                                void *out, int t, int I) {
+    const int64_t src = (int64_t)t * row, dst = (int64_t)t * I;
+    if (elem_bytes == 4) {
+        const float *g = (const float *)gate + src, *u = (const float *)up + src;
+        float *o = (float *)out + dst;
+        int i = 0;
 #ifdef HAVE_AVX2_ATTENTION
-            for (; i + 8 <= I; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)),
-                                                      _mm256_loadu_ps(u + i)));
+        for (; i + 8 <= I; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)),
+                                                  _mm256_loadu_ps(u + i)));
 #endif
-            for (; i < I; i++) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
-        } else {
-            const uint16_t *g = (const uint16_t *)gate + src, *u = (const uint16_t *)up + src;
-            uint16_t *o = (uint16_t *)out + dst;
-            int i = 0;
+        for (; i < I; i++) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+    } else {
+        const uint16_t *g = (const uint16_t *)gate + src, *u = (const uint16_t *)up + src;
+        uint16_t *o = (uint16_t *)out + dst;
+        int i = 0;
 #ifdef HAVE_AVX2_ATTENTION
-            for (; i + 8 <= I; i += 8) /* silu rounded to bf16 before the multiply, as below */
-                bf16x8_store(o + i, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(g + i))),
-                                                  bf16x8_load(u + i)));
+        for (; i + 8 <= I; i += 8) /* silu rounded to bf16 before the multiply, as below */
+            bf16x8_store(o + i, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(g + i))),
+                                              bf16x8_load(u + i)));
 #endif
-            for (; i < I; i++) {
-                const float gi = bf16_load(g[i]);
-                /* torch rounds silu's result to bf16 before the multiply */
-                o[i] = bf16_store(bf16_load(bf16_store(gi / (1.0f + exp_any(-gi)))) * bf16_load(u[i]));
-            }
+        for (; i < I; i++) {
+            const float gi = bf16_load(g[i]);
+            /* torch rounds silu's result to bf16 before the multiply */
+            o[i] = bf16_store(bf16_load(bf16_store(gi / (1.0f + exp_any(-gi)))) * bf16_load(u[i]));
         }
     }
+}
+
+/* ppr_silu_mul's rows, shared by the team this runs in (orphaned) */
+static void silu_mul_rows(int elem_bytes, const void *gate, const void *up, int64_t row,
+                          void *out, int T, int I) {
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++) silu_mul_row(elem_bytes, gate, up, row, out, t, I);
+}
+
+void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
+                  int I) {
+#pragma omp parallel if (T >= 8)
+    silu_mul_rows(elem_bytes, gate, up, row, out, T, I);
 }
 
 /* 1 where this build multiplies bf16 with vdpbf16ps (AVX512_BF16): the stage then packs its
@@ -2605,6 +2666,97 @@ __attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
 #endif
 }
 
+#ifdef HAVE_A8_DOT
+/* The quantized rows of one call: per row and block of 32, dx, sum(x) and sum(xq) ([M, K / 32]
+ * each), then xq [M, K] int8, cut from one buffer of a8_scratch_bytes(M, K) (which grows with
+ * K: a buffer for the largest K serves every smaller one). */
+typedef struct {
+    float *dx, *sx;
+    int32_t *sq;
+    int8_t *xq;
+} A8Rows;
+
+static size_t a8_scratch_bytes(int M, int K) {
+    return (size_t)M * (K / GRID_BLOCK) * (sizeof(float) * 2 + sizeof(int32_t)) + (size_t)M * K;
+}
+
+static A8Rows a8_rows_at(char *scratch, int M, int K) {
+    const size_t per_block = (size_t)M * (K / GRID_BLOCK);
+    A8Rows r;
+    r.dx = (float *)scratch;
+    r.sx = r.dx + per_block;
+    r.sq = (int32_t *)(r.sx + per_block);
+    r.xq = (int8_t *)(r.sq + per_block);
+    return r;
+}
+
+/* x [M, K] bf16 quantized into r, the rows shared by the team this runs in (orphaned) */
+static void a8_quantize_rows(const uint16_t *x, int M, int K, A8Rows r) {
+    const int KB = K / GRID_BLOCK;
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++)
+        a8_quantize_row(x + (int64_t)m * K, K, r.xq + (int64_t)m * K, r.dx + (int64_t)m * KB,
+                        r.sx + (int64_t)m * KB, r.sq + (int64_t)m * KB);
+}
+
+/* y [M, N] from the quantized rows r, the units of two panels shared by the team (orphaned) */
+static void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
+                     const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+    const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
+    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
+#pragma omp for schedule(guided, 2)
+    for (int u = 0; u < num_units; u++) {
+        const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
+        const uint8_t *c0 = codes + p0 * panel_codes;
+        const uint8_t *c1 = np > 1 ? c0 + panel_codes : c0;
+        const uint16_t *d0 = scale + p0 * panel_scales;
+        const uint16_t *d1 = np > 1 ? d0 + panel_scales : d0;
+        const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
+        const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
+        if (M < 8 && u + 1 < num_units) /* the next unit's scales (and offsets) */
+            a8_fetch_scales(d0 + 2 * panel_scales, m0 ? m0 + 2 * panel_scales : NULL,
+                            2 * panel_scales * (int64_t)sizeof(uint16_t));
+        for (int r = 0; r < M; r += A8_MR) {
+            const int8_t *xr = rows.xq + (int64_t)r * K;
+            const float *dr = rows.dx + (int64_t)r * KB, *sr = rows.sx + (int64_t)r * KB;
+            const int32_t *qr = rows.sq + (int64_t)r * KB;
+            uint16_t *yr = y + (int64_t)r * N;
+#define A8_CALL(MR, PF)                                                                         \
+    a8_micro(MR, PF, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np,              \
+             c0 + 2 * panel_codes, panel_codes)
+            /* the first rows fetch the next unit: all of SmolLM2's matmuls, 2 threads, 15
+             * alternated rounds, medians, ms: 1 row 4.0-4.8 -> 3.3-4.1, 4 rows 5.6 -> 4.3, 16
+             * rows 10.6-11.0 -> 9.4-9.5, 32 21.7 -> 20.6, 128 level; one thread, 16 rows 21.1 ->
+             * 17.2. With `next` a runtime pointer instead of PF, the compiler versioned the
+             * loops and 128 rows lost 8-12%. */
+            const int pf = r == 0 && u + 1 < num_units;
+            switch ((M - r < A8_MR ? M - r : A8_MR) + 4 * pf) {
+            case 1: A8_CALL(1, 0); break;
+            case 2: A8_CALL(2, 0); break;
+            case 3: A8_CALL(3, 0); break;
+            case 4: A8_CALL(4, 0); break;
+            case 5: A8_CALL(1, 1); break;
+            case 6: A8_CALL(2, 1); break;
+            case 7: A8_CALL(3, 1); break;
+            default: A8_CALL(4, 1); break;
+            }
+#undef A8_CALL
+        }
+    }
+}
+#endif
+
+/* Whether ppr_linear_grid_a8 takes this weight: K a multiple of 32, bits 4 (with offsets) or 8,
+ * in a build with AVX512_BF16 and VNNI. */
+static int a8_weight_ok(int K, int bits, const void *offset) {
+#ifdef HAVE_A8_DOT
+    return K % GRID_BLOCK == 0 && (bits == 4 || bits == 8) && (bits == 8 || offset);
+#else
+    (void)K, (void)bits, (void)offset;
+    return 0;
+#endif
+}
+
 /* y[M, N] bf16 = x[M, K] bf16 @ W[N, K]^T for W held as grid codes in the layout above (bits 4
  * or 8), x quantized to int8 per block of 32 first. Threads share the rows' quantization, then
  * the units of two panels (each unit's rows A8_MR at a time, its codes reused from cache).
@@ -2613,67 +2765,18 @@ __attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
 int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
                        const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
 #ifdef HAVE_A8_DOT
-    if (K % GRID_BLOCK || (bits != 4 && bits != 8) || (bits == 4 && !offset)) return -1;
+    if (!a8_weight_ok(K, bits, offset)) return -1;
     if (M <= 0) return 0;
-    const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
-    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
-    /* one allocation: per row and block, dx, sum(x) and sum(xq) (4 bytes each), then xq */
-    const size_t per_block = (size_t)M * KB;
-    char *scratch = malloc(per_block * (sizeof(float) * 2 + sizeof(int32_t)) + (size_t)M * K);
-    float *dx = (float *)scratch, *sx = dx + per_block;
-    int32_t *sq = (int32_t *)(sx + per_block);
-    int8_t *xq = (int8_t *)(sq + per_block);
-    const int ok = scratch != NULL;
-    if (ok) {
+    char *scratch = malloc(a8_scratch_bytes(M, K));
+    if (!scratch) return -1;
+    const A8Rows rows = a8_rows_at(scratch, M, K);
 #pragma omp parallel
-        {
-#pragma omp for schedule(static)
-            for (int r = 0; r < M; r++)
-                a8_quantize_row(x + (int64_t)r * K, K, xq + (int64_t)r * K, dx + (int64_t)r * KB,
-                                sx + (int64_t)r * KB, sq + (int64_t)r * KB);
-#pragma omp for schedule(guided, 2)
-            for (int u = 0; u < num_units; u++) {
-                const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
-                const uint8_t *c0 = codes + p0 * panel_codes;
-                const uint8_t *c1 = np > 1 ? c0 + panel_codes : c0;
-                const uint16_t *d0 = scale + p0 * panel_scales;
-                const uint16_t *d1 = np > 1 ? d0 + panel_scales : d0;
-                const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
-                const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
-                if (M < 8 && u + 1 < num_units) /* the next unit's scales (and offsets) */
-                    a8_fetch_scales(d0 + 2 * panel_scales, m0 ? m0 + 2 * panel_scales : NULL,
-                                    2 * panel_scales * (int64_t)sizeof(uint16_t));
-                for (int r = 0; r < M; r += A8_MR) {
-                    const int8_t *xr = xq + (int64_t)r * K;
-                    const float *dr = dx + (int64_t)r * KB, *sr = sx + (int64_t)r * KB;
-                    const int32_t *qr = sq + (int64_t)r * KB;
-                    uint16_t *yr = y + (int64_t)r * N;
-#define A8_CALL(MR, PF)                                                                         \
-    a8_micro(MR, PF, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np,              \
-             c0 + 2 * panel_codes, panel_codes)
-                    /* the first rows fetch the next unit: all of SmolLM2's matmuls, 2 threads,
-                     * 15 alternated rounds, medians, ms: 1 row 4.0-4.8 -> 3.3-4.1, 4 rows 5.6
-                     * -> 4.3, 16 rows 10.6-11.0 -> 9.4-9.5, 32 21.7 -> 20.6, 128 level; one
-                     * thread, 16 rows 21.1 -> 17.2. With `next` a runtime pointer instead of
-                     * PF, the compiler versioned the loops and 128 rows lost 8-12%. */
-                    const int pf = r == 0 && u + 1 < num_units;
-                    switch ((M - r < A8_MR ? M - r : A8_MR) + 4 * pf) {
-                    case 1: A8_CALL(1, 0); break;
-                    case 2: A8_CALL(2, 0); break;
-                    case 3: A8_CALL(3, 0); break;
-                    case 4: A8_CALL(4, 0); break;
-                    case 5: A8_CALL(1, 1); break;
-                    case 6: A8_CALL(2, 1); break;
-                    case 7: A8_CALL(3, 1); break;
-                    default: A8_CALL(4, 1); break;
-                    }
-#undef A8_CALL
-                }
-            }
-        }
+    {
+        a8_quantize_rows(x, M, K, rows);
+        a8_units(rows, codes, scale, offset, y, M, N, K, bits);
     }
     free(scratch);
-    return ok ? 0 : -1;
+    return 0;
 #else
     (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,
         (void)bits;
@@ -2782,6 +2885,150 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
     return run_linear(&L->down, eb, s->act, h_out, T);
 }
 
+#ifdef HAVE_A8_DOT
+/* ---- The whole stack in one team ----------------------------------------------------------
+ * Each kernel above opens and joins its own parallel region: on the 2-core Zen 4 VM an empty
+ * region costs ~2.4 us (the team woken, then joined) against ~0.75 us for a barrier inside one,
+ * and a single stream's step opened 151 (five a layer, and the lm_head). Where every matrix of
+ * the stage is grid codes for vpdpbusd (the default on such a CPU), the layers run in one
+ * region instead: the same kernels' loops, work-shared (orphaned `omp for`) by one team, the
+ * implicit barrier after each loop where the next needs its results. The arithmetic of every
+ * row is what the layer-by-layer calls do. Default model, 2 threads, decode steps
+ * (StageRunner.run) in one process, blocks of steps alternated between the two paths, medians:
+ * 1 row at context 512 4.98 -> 4.80 ms (faster in 72 of 100 block pairs); 16 rows at context
+ * 100, layers 0-13 6.20 -> 5.86 (150 of 169), layers 14-29 and the lm_head 9.13 -> 8.83 (79 of
+ * 111); 32 rows, all layers, 31.1 -> 30.5 (44 of 64). A norm (or silu_mul) sharing its loop
+ * with the next matmul's quantization, against a loop each: 16 rows 0.976x and 0.991x, 32 rows
+ * 0.997x, 1 row 1.002x. */
+
+/* y = x @ W^T for a grid-a8 weight, by the team: x's rows quantized into the shared scratch
+ * (a barrier), then the units */
+static void a8_linear_in_team(const ppr_linear_t *w, const void *x, void *y, int M,
+                              char *scratch) {
+    const A8Rows rows = a8_rows_at(scratch, M, w->k);
+    a8_quantize_rows(x, M, w->k, rows);
+    a8_units(rows, w->a, w->b, w->c, y, M, w->n, w->k, w->bits);
+}
+
+static int a8_in_team_ok(const ppr_linear_t *w) {
+    return w->kind == PPR_GRID_A8 && a8_weight_ok(w->k, w->bits, w->c);
+}
+
+/* Whether the stack runs in one team: bf16, every matrix grid-a8, and every layer's attention
+ * of one shape (one plan serves them all). */
+static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *s) {
+    if (s->elem_bytes != 2 || s->num_tokens <= 0 || n <= 0) return 0;
+    for (int i = 0; i < n; i++) {
+        const ppr_layer_t *L = &layers[i];
+        if (!a8_in_team_ok(&L->qkv) || !a8_in_team_ok(&L->o) || !a8_in_team_ok(&L->gate_up) ||
+            !a8_in_team_ok(&L->down) || !attention_shapes_ok(2, L->num_heads, L->num_kv_heads))
+            return 0;
+        if (L->num_heads != layers[0].num_heads || L->num_kv_heads != layers[0].num_kv_heads ||
+            L->head_dim != layers[0].head_dim)
+            return 0;
+        if (L->qkv.k != L->hidden || L->gate_up.k != L->hidden || L->down.k != L->intermediate ||
+            L->gate_up.n != 2 * L->intermediate || L->o.k != L->num_heads * L->head_dim)
+            return 0;
+    }
+    return 1;
+}
+
+/* A norm and the next matmul's quantization of its rows, in one loop: one barrier, not two.
+ * `rows` is cut for K = d. */
+static void norm_quantize_in_team(const void *h, const void *residual, const void *weight,
+                                  void *residual_out, void *x_out, int T, int d, float eps,
+                                  A8Rows rows) {
+    const int KB = d / GRID_BLOCK;
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+        add_rms_norm_row(2, h, residual, weight, residual_out, x_out, t, d, eps);
+        a8_quantize_row((const uint16_t *)x_out + (int64_t)t * d, d, rows.xq + (int64_t)t * d,
+                        rows.dx + (int64_t)t * KB, rows.sx + (int64_t)t * KB,
+                        rows.sq + (int64_t)t * KB);
+    }
+}
+
+/* silu(gate) * up into act [T, I], and the down matmul's quantization of its rows (K = I) */
+static void silu_quantize_in_team(const void *gate_up, void *act, int T, int I, A8Rows rows) {
+    const int KB = I / GRID_BLOCK;
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) {
+        silu_mul_row(2, gate_up, (const uint16_t *)gate_up + I, 2 * (int64_t)I, act, t, I);
+        a8_quantize_row((const uint16_t *)act + (int64_t)t * I, I, rows.xq + (int64_t)t * I,
+                        rows.dx + (int64_t)t * KB, rows.sx + (int64_t)t * KB,
+                        rows.sq + (int64_t)t * KB);
+    }
+}
+
+/* ppr_decoder_layer's steps, by the team this runs in (every thread calls it): ten loops, ten
+ * barriers (a norm or silu_mul and the next matmul's quantization share a loop). */
+static void decoder_layer_in_team(const ppr_layer_t *L, const ppr_step_t *s, const void *h_in,
+                                  const void *residual_in, void *residual_out, void *kv,
+                                  void *h_out, const Task *tasks, int num_tasks, char *a8,
+                                  float *attention_scratch) {
+    const int T = s->num_tokens, D = L->head_dim, d = L->hidden, I = L->intermediate;
+    const int64_t qkv_row = (int64_t)(L->num_heads + 2 * L->num_kv_heads) * D;
+    const A8Rows x_rows = a8_rows_at(a8, T, d), act_rows = a8_rows_at(a8, T, I);
+    norm_quantize_in_team(h_in, residual_in, L->input_norm, residual_out, s->x, T, d, L->eps,
+                          x_rows);
+    a8_units(x_rows, L->qkv.a, L->qkv.b, L->qkv.c, s->qkv, T, L->qkv.n, d, L->qkv.bits);
+    rope_store_rows(2, s->qkv, qkv_row, s->q, s->cos, s->sin, s->slot_mapping, kv, s->num_slots,
+                    T, L->num_heads, L->num_kv_heads, D);
+    attention_run(tasks, num_tasks, 2, s->q, kv, s->attn, s->q_start, s->q_len, s->ctx_len,
+                  s->block_table, s->table_stride, s->num_slots, L->num_heads, L->num_kv_heads,
+                  D, s->scale, attention_scratch);
+    a8_linear_in_team(&L->o, s->attn, s->h, T, a8);
+    norm_quantize_in_team(s->h, residual_out, L->post_attn_norm, residual_out, s->x, T, d, L->eps,
+                          x_rows);
+    a8_units(x_rows, L->gate_up.a, L->gate_up.b, L->gate_up.c, s->gate_up, T, L->gate_up.n, d,
+             L->gate_up.bits);
+    silu_quantize_in_team(s->gate_up, s->act, T, I, act_rows);
+    a8_units(act_rows, L->down.a, L->down.b, L->down.c, h_out, T, L->down.n, I, L->down.bits);
+}
+
+/* ppr_decoder_layers in one team (stack_in_team_ok): the scratch the kernels would allocate
+ * call by call, allocated once (quantized rows for the largest K, a thread's attention
+ * scratch per thread, one attention plan). Returns -1 if that allocation failed. */
+static int decoder_layers_in_team(const ppr_layer_t *layers, int n, const ppr_step_t *s,
+                                  const void *h_in, const void *residual_in, void *residual_out,
+                                  void *kv, int64_t kv_stride, void *h_out) {
+    const int T = s->num_tokens, H = layers[0].num_heads, Hkv = layers[0].num_kv_heads;
+    const int D = layers[0].head_dim, num_threads = omp_get_max_threads();
+    int k_max = 0;
+    for (int i = 0; i < n; i++) {
+        const ppr_linear_t *w[4] = {&layers[i].qkv, &layers[i].o, &layers[i].gate_up,
+                                    &layers[i].down};
+        for (int j = 0; j < 4; j++) k_max = w[j]->k > k_max ? w[j]->k : k_max;
+    }
+    const int num_tasks =
+        attention_plan(2, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads, NULL);
+    const size_t per_thread = attention_scratch_floats(D);
+    char *a8 = malloc(a8_scratch_bytes(T, k_max));
+    Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
+    float *attention_scratch = malloc(sizeof(float) * per_thread * num_threads);
+    const int ok = a8 && tasks && attention_scratch;
+    if (ok) {
+        attention_plan(2, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads, tasks);
+#pragma omp parallel num_threads(num_threads)
+        {
+            float *mine = attention_scratch + per_thread * omp_get_thread_num();
+            const void *h = h_in, *residual = residual_in;
+            for (int i = 0; i < n; i++) {
+                decoder_layer_in_team(&layers[i], s, h, residual, residual_out,
+                                      (char *)kv + (int64_t)i * kv_stride, h_out, tasks,
+                                      num_tasks, a8, mine);
+                h = h_out;
+                residual = residual_out;
+            }
+        }
+    }
+    free(a8);
+    free(tasks);
+    free(attention_scratch);
+    return ok ? 0 : -1;
+}
+#endif
+
 /* A stage's n layers in one call (layers: n structs back to back): layer i reads and writes
  * its cache at kv + i * kv_stride bytes. The first reads h_in and residual_in (NULL: the
  * model's first layer); the rest work in place on h_out and residual_out, as the layer-by-layer
@@ -2790,6 +3037,11 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
 int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, const void *h_in,
                        const void *residual_in, void *residual_out, void *kv, int64_t kv_stride,
                        void *h_out) {
+#ifdef HAVE_A8_DOT
+    if (stack_in_team_ok(layers, n, s))
+        return decoder_layers_in_team(layers, n, s, h_in, residual_in, residual_out, kv,
+                                      kv_stride, h_out);
+#endif
     for (int i = 0; i < n; i++) {
         if (ppr_decoder_layer(&layers[i], s, h_in, residual_in, residual_out,
                               (char *)kv + (int64_t)i * kv_stride, h_out))
