@@ -657,6 +657,22 @@ static inline int64_t query_offset(const Task *task, int64_t t, int gh, int G, i
     return (t * H + head) * D;
 }
 
+#ifdef HAVE_BF16_DOT
+/* run = the first up-to-PAGE_RUN of `pages_left` pages listed at `pages`, for `task`'s KV
+ * groups (none: run->num_pages 0) */
+static inline void run_of_pages(RunPrefetch *run, const void *kv, const int32_t *pages,
+                                int pages_left, const Task *task, int Hkv, int D,
+                                int elem_bytes, int64_t v_offset) {
+    run->num_pages = 0;
+    run->page_lines = (int)((int64_t)PAGE * (task->g1 - task->g0) * D * elem_bytes / 64);
+    for (int j = 0; j < PAGE_RUN && j < pages_left; j++, run->num_pages++) {
+        run->k[j] = (const char *)kv +
+                    ((int64_t)pages[j] * PAGE * Hkv + (int64_t)task->g0 * PAGE) * D * elem_bytes;
+        run->v[j] = run->k[j] + v_offset * elem_bytes;
+    }
+}
+#endif
+
 /* `task` (see above); over pairs, its last run fetches `next_task`'s first (NULL: none) */
 static void attend_task(const Task *task, const Task *next_task, int elem_bytes, const void *q,
                         const void *kv, void *out, const int32_t *q_start, const int32_t *q_len,
@@ -716,12 +732,9 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
             const int run_pages = num_pages - page < PAGE_RUN ? num_pages - page : PAGE_RUN;
             const int key0 = page * PAGE, next = page + PAGE_RUN;
             const int rows_before = key0 > first_row_pos ? key0 - first_row_pos : 0;
-            RunPrefetch run = {{NULL}, {NULL}, 0, (int)(PAGE * span_bytes / 64)};
-            for (int j = 0; j < PAGE_RUN && next + j < num_pages; j++, run.num_pages++) {
-                run.k[j] = (const char *)kv + ((int64_t)blocks[next + j] * PAGE * Hkv +
-                                               (int64_t)task->g0 * PAGE) * D * elem_bytes;
-                run.v[j] = run.k[j] + v_offset * elem_bytes;
-            }
+            RunPrefetch run;
+            run_of_pages(&run, kv, blocks + next, num_pages - next, task, Hkv, D, elem_bytes,
+                         v_offset);
             if (!run.num_pages && next_task) {
                 /* the task's last run: fetch the first run of the task this thread likely
                  * takes next (its pages, its groups), which otherwise started cold: with a
@@ -738,15 +751,8 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
                 const int n_seq = next_task->seq;
                 const int n_last = ctx_len[n_seq] - q_len[n_seq] + next_task->row0 +
                                    next_task->nrows - 1;
-                const int n_pages = n_last / PAGE + 1;
-                const int32_t *n_blocks = table + (int64_t)n_seq * table_stride;
-                run.page_lines = (int)((int64_t)PAGE * (next_task->g1 - next_task->g0) * D *
-                                       elem_bytes / 64);
-                for (int j = 0; j < PAGE_RUN && j < n_pages; j++, run.num_pages++) {
-                    run.k[j] = (const char *)kv + ((int64_t)n_blocks[j] * PAGE * Hkv +
-                                                   (int64_t)next_task->g0 * PAGE) * D * elem_bytes;
-                    run.v[j] = run.k[j] + v_offset * elem_bytes;
-                }
+                run_of_pages(&run, kv, table + (int64_t)n_seq * table_stride, n_last / PAGE + 1,
+                             next_task, Hkv, D, elem_bytes, v_offset);
             }
             /* the calls this run makes: two a page per block of heads, rows before it none */
             const int num_calls = (task->nrows - rows_before) * num_groups * 2 * run_pages *
@@ -2659,6 +2665,17 @@ int ppr_has_a8_dot(void) {
 #endif
 }
 
+/* Whether ppr_linear_grid_a8 and ppr_grid_a8_rows take this weight: K a multiple of 32, bits 4
+ * (with offsets) or 8, in a build with AVX512_BF16 and VNNI. */
+static inline int a8_weight_ok(int K, int bits, const void *offset) {
+#ifdef HAVE_A8_DOT
+    return K % GRID_BLOCK == 0 && (bits == 4 || bits == 8) && (bits == 8 || offset);
+#else
+    (void)K, (void)bits, (void)offset;
+    return 0;
+#endif
+}
+
 /* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]: d * q,
  * then + m (two fp32 roundings, as stages/grid.py quad_rows and the checkpoint's converter
  * compute them: no FMA here), rounded to bf16. A tied lm_head's embedding lookup: the same as
@@ -2669,7 +2686,7 @@ __attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
     const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, const int64_t *ids,
     uint16_t *out, int T, int N, int K, int bits) {
 #ifdef HAVE_A8_DOT
-    if (K % GRID_BLOCK || (bits != 4 && bits != 8) || (bits == 4 && !offset)) return -1;
+    if (!a8_weight_ok(K, bits, offset)) return -1;
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -1;
     const int KB = K / GRID_BLOCK, per_group = bits == 4 ? 8 : 4;
@@ -2720,13 +2737,17 @@ static A8Rows a8_rows_at(char *scratch, int M, int K) {
     return r;
 }
 
+/* row m of x [., K] bf16 quantized into row m of r */
+static inline void a8_quantize_into(const uint16_t *x, int m, int K, A8Rows r) {
+    const int KB = K / GRID_BLOCK;
+    a8_quantize_row(x + (int64_t)m * K, K, r.xq + (int64_t)m * K, r.dx + (int64_t)m * KB,
+                    r.sx + (int64_t)m * KB, r.sq + (int64_t)m * KB);
+}
+
 /* x [M, K] bf16 quantized into r, the rows shared by the team this runs in (orphaned) */
 static void a8_quantize_rows(const uint16_t *x, int M, int K, A8Rows r) {
-    const int KB = K / GRID_BLOCK;
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++)
-        a8_quantize_row(x + (int64_t)m * K, K, r.xq + (int64_t)m * K, r.dx + (int64_t)m * KB,
-                        r.sx + (int64_t)m * KB, r.sq + (int64_t)m * KB);
+    for (int m = 0; m < M; m++) a8_quantize_into(x, m, K, r);
 }
 
 /* y [M, N] from the quantized rows r, the units of two panels shared by the team (orphaned) */
@@ -2775,17 +2796,6 @@ static void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
     }
 }
 #endif
-
-/* Whether ppr_linear_grid_a8 takes this weight: K a multiple of 32, bits 4 (with offsets) or 8,
- * in a build with AVX512_BF16 and VNNI. */
-static int a8_weight_ok(int K, int bits, const void *offset) {
-#ifdef HAVE_A8_DOT
-    return K % GRID_BLOCK == 0 && (bits == 4 || bits == 8) && (bits == 8 || offset);
-#else
-    (void)K, (void)bits, (void)offset;
-    return 0;
-#endif
-}
 
 /* y[M, N] bf16 = x[M, K] bf16 @ W[N, K]^T for W held as grid codes in the layout above (bits 4
  * or 8), x quantized to int8 per block of 32 first. Threads share the rows' quantization, then
@@ -2968,25 +2978,19 @@ static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *
 static void norm_quantize_in_team(const void *h, const void *residual, const void *weight,
                                   void *residual_out, void *x_out, int T, int d, float eps,
                                   A8Rows rows) {
-    const int KB = d / GRID_BLOCK;
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         add_rms_norm_row(2, h, residual, weight, residual_out, x_out, t, d, eps);
-        a8_quantize_row((const uint16_t *)x_out + (int64_t)t * d, d, rows.xq + (int64_t)t * d,
-                        rows.dx + (int64_t)t * KB, rows.sx + (int64_t)t * KB,
-                        rows.sq + (int64_t)t * KB);
+        a8_quantize_into(x_out, t, d, rows);
     }
 }
 
 /* silu(gate) * up into act [T, I], and the down matmul's quantization of its rows (K = I) */
 static void silu_quantize_in_team(const void *gate_up, void *act, int T, int I, A8Rows rows) {
-    const int KB = I / GRID_BLOCK;
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         silu_mul_row(2, gate_up, (const uint16_t *)gate_up + I, 2 * (int64_t)I, act, t, I);
-        a8_quantize_row((const uint16_t *)act + (int64_t)t * I, I, rows.xq + (int64_t)t * I,
-                        rows.dx + (int64_t)t * KB, rows.sx + (int64_t)t * KB,
-                        rows.sq + (int64_t)t * KB);
+        a8_quantize_into(act, t, I, rows);
     }
 }
 
