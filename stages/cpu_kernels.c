@@ -19,6 +19,7 @@
  * (its new tokens included, already written), and query i sits at position ctx_len - q_len + i:
  * it sees keys 0..that position (causal, aligned bottom-right). A decode is q_len == 1.
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -1863,6 +1864,47 @@ int ppr_unpack_grid(const uint8_t *codes, const float *scale, const float *offse
 
 /* ---- the small ops around the matmuls: one call each instead of five to ten torch ops ---- */
 
+#ifdef HAVE_BF16_DOT
+/* bf16 on sixteen lanes where the CPU has AVX512_BF16. vcvtneps2bf16 rounds to nearest even
+ * and keeps a NaN quiet in one instruction, where bf16x8_bits takes nine, but it flushes a
+ * denormal to zero; torch rounds it (silu(-100) * 0.01 is 1e-39 there, not 0), so sixteen
+ * lanes holding one take the scalar helper instead, and the results stay bf16_store's. */
+static inline __m256i bf16x16_bits(__m512 f) {
+    const __m512 magnitude = _mm512_abs_ps(f);
+    const __mmask16 below_normal =
+        _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ);
+    const __mmask16 denormal =
+        _mm512_mask_cmp_ps_mask(below_normal, magnitude, _mm512_setzero_ps(), _CMP_GT_OQ);
+    if (__builtin_expect(denormal != 0, 0)) {
+        float lanes[16];
+        uint16_t bits[16];
+        _mm512_storeu_ps(lanes, f);
+        for (int i = 0; i < 16; i++) bits[i] = bf16_store(lanes[i]);
+        return _mm256_loadu_si256((const __m256i *)bits);
+    }
+    return (__m256i)_mm512_cvtneps_pbh(f);
+}
+
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 bf16x16_round(__m512 f) { /* bf16x8_round on sixteen lanes */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_bits(f)), 16));
+}
+
+static inline void bf16x16_store(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p, bf16x16_bits(f));
+}
+
+static inline __m512 silu16(__m512 g) { /* silu8 on sixteen lanes */
+    const __m512 e = exp16_nonpositive(
+        _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.0f)));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+#endif
+
 /* residual_out = h + residual (or h, when residual is NULL: a stage's first layer), then
  * x_out = residual_out * rsqrt(mean(residual_out^2) + eps) * weight, rows [T, d]. The add is
  * rounded to the dtype before the norm reads it, as torch's separate ops do; the norm's
@@ -1903,6 +1945,17 @@ static inline void add_rms_norm_row(int elem_bytes, const void *h, const void *r
         int i0 = 0;
 #ifdef HAVE_AVX2_ATTENTION
         __m256 sq = _mm256_setzero_ps();
+#ifdef HAVE_BF16_DOT
+        for (; i0 + 16 <= d; i0 += 16) {
+            __m512 r = bf16x16_load(hb + i0);
+            if (rb) r = bf16x16_round(_mm512_add_ps(r, bf16x16_load(rb + i0)));
+            bf16x16_store(out + i0, r);
+            /* the squares summed eight lanes at a time, in the 8-lane loop's order */
+            const __m256 lo = _mm512_castps512_ps256(r);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1));
+            sq = _mm256_fmadd_ps(hi, hi, _mm256_fmadd_ps(lo, lo, sq));
+        }
+#endif
         for (; i0 + 8 <= d; i0 += 8) {
             __m256 r = bf16x8_load(hb + i0);
             if (rb) r = bf16x8_round(_mm256_add_ps(r, bf16x8_load(rb + i0)));
@@ -1920,6 +1973,13 @@ static inline void add_rms_norm_row(int elem_bytes, const void *h, const void *r
         const float inv = 1.0f / sqrtf(sum_sq / d + eps);
         /* rounded where transformers rounds: the normalized value, then the product */
         int i1 = 0;
+#ifdef HAVE_BF16_DOT
+        const __m512 inv16 = _mm512_set1_ps(inv);
+        for (; i1 + 16 <= d; i1 += 16)
+            bf16x16_store(xb + i1, _mm512_mul_ps(bf16x16_round(_mm512_mul_ps(
+                                                     bf16x16_load(out + i1), inv16)),
+                                                 bf16x16_load(wb + i1)));
+#endif
 #ifdef HAVE_AVX2_ATTENTION
         const __m256 inv8 = _mm256_set1_ps(inv);
         for (; i1 + 8 <= d; i1 += 8)
@@ -1955,6 +2015,17 @@ static inline void rope_row_bf16(const uint16_t *x, const float *c, const float 
                                  int D) {
     const int half = D / 2;
     int i0 = 0;
+#ifdef HAVE_BF16_DOT
+    if (half % 16 == 0)
+        for (; i0 + 16 <= D; i0 += 16) {
+            const int j0 = i0 < half ? i0 + half : i0 - half;
+            const __m512 cb = bf16x16_round(_mm512_loadu_ps(c + i0));
+            const __m512 sb = bf16x16_round(_mm512_loadu_ps(s + i0));
+            const __m512 xc = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + i0), cb));
+            const __m512 xs = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + j0), sb));
+            bf16x16_store(o + i0, _mm512_add_ps(xc, xs));
+        }
+#endif
 #ifdef HAVE_AVX2_ATTENTION
     if (half % 8 == 0)
         for (; i0 + 8 <= D; i0 += 8) {
@@ -2121,6 +2192,11 @@ static inline void silu_mul_row(int elem_bytes, const void *gate, const void *up
         const uint16_t *g = (const uint16_t *)gate + src, *u = (const uint16_t *)up + src;
         uint16_t *o = (uint16_t *)out + dst;
         int i = 0;
+#ifdef HAVE_BF16_DOT
+        for (; i + 16 <= I; i += 16)
+            bf16x16_store(o + i, _mm512_mul_ps(bf16x16_round(silu16(bf16x16_load(g + i))),
+                                               bf16x16_load(u + i)));
+#endif
 #ifdef HAVE_AVX2_ATTENTION
         for (; i + 8 <= I; i += 8) /* silu rounded to bf16 before the multiply, as below */
             bf16x8_store(o + i, _mm256_mul_ps(bf16x8_round(silu8(bf16x8_load(g + i))),
