@@ -86,10 +86,11 @@ def from_wire(
         missing = wire_names - set(fields)
         raise ProtocolError(f"{path or cls.__name__} is missing field {sorted(missing)[0]!r}")
     kwargs = tensors.copy() if tensors else {}
-    for name, tp in wire_fields:
+    for name, tp, as_is in wire_fields:
         value = fields[name]
-        # The common cases without a call: ints and short strings, most of a ring header.
-        if tp is int and type(value) is int:
+        # The common cases without a call: ints, None where allowed and short strings, most of
+        # a ring header and of a step's deltas.
+        if type(value) in as_is:
             kwargs[name] = value
         elif tp is str and type(value) is str and len(value) <= limits.max_str_len:
             kwargs[name] = value
@@ -99,10 +100,27 @@ def from_wire(
 
 
 @functools.cache
-def _wire_fields(cls: type) -> tuple[frozenset[str], tuple[tuple[str, Any], ...]]:
-    """The fields that travel in the header: their names, and (name, type) pairs."""
-    pairs = tuple((n, tp) for n, tp in field_types(cls).items() if tp is not TensorField)
-    return frozenset(n for n, _ in pairs), pairs
+def _wire_fields(
+    cls: type,
+) -> tuple[frozenset[str], tuple[tuple[str, Any, tuple[type, ...]], ...]]:
+    """The fields that travel in the header: their names, and (name, type, the value types
+    _check would return unchanged without looking further) triples."""
+    triples = tuple(
+        (n, tp, _as_is(tp)) for n, tp in field_types(cls).items() if tp is not TensorField
+    )
+    return frozenset(n for n, _, _ in triples), triples
+
+
+def _as_is(tp: Any) -> tuple[type, ...]:
+    """Exact value types that `_check(value, tp)` returns as they are: int for int, float for
+    float (an int there becomes a float: not as is), None where `tp` allows it, and the same
+    for the type inside an `X | None`. bool is never int here (type(True) is bool)."""
+    scalars = {int: (int,), float: (float,)}
+    origin, args = _shape(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [t for t in args if t is not type(None)]
+        return (type(None), *scalars.get(inner, ()))
+    return scalars.get(tp, ())
 
 
 def _construct(cls: type, kwargs: dict[str, Any]) -> Any:
@@ -163,6 +181,13 @@ def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
         if len(value) > limits.max_list_len:
             raise ProtocolError(f"field {path} has more than {limits.max_list_len} entries")
         (item_tp,) = args
+        if dataclasses.is_dataclass(item_tp):  # a step's deltas: each map straight to from_wire
+            return [
+                from_wire(item_tp, v, limits, path=f"{path}[{i}].")
+                if type(v) is dict
+                else _check(v, item_tp, f"{path}[{i}]", limits)
+                for i, v in enumerate(value)
+            ]
         return [_check(v, item_tp, f"{path}[{i}]", limits) for i, v in enumerate(value)]
     if origin is dict:
         _, value_tp = args

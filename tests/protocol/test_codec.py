@@ -7,7 +7,7 @@ import torch
 
 from protocol.codec import DTYPES, decode, decode_many, encode, encode_many
 from protocol.errors import ProtocolError
-from protocol.messages import ALL_KINDS, Output, Proxy, Reqs, RingError
+from protocol.messages import ALL_KINDS, Deltas, Output, Proxy, Reqs, RequestDelta, RingError
 from tests.protocol.conftest import sample_messages
 
 
@@ -94,6 +94,37 @@ def test_decode_names_the_bad_field():
     header["token_ids"], header["extra"] = [1], 1
     with pytest.raises(ProtocolError, match="unknown field 'extra'"):
         decode([msgpack.packb(header)])
+
+
+def test_a_steps_deltas_keep_their_checks_on_the_fast_paths():
+    """`X | None` fields take None and their exact type as they are, and a list of maps goes
+    to its dataclass directly: what a wrong value meets there is still one named error."""
+    import msgpack
+
+    deltas = [
+        RequestDelta(rid="a", token_id=5, logprob=-0.25, finish_reason=""),
+        RequestDelta(rid="b", token_id=None, logprob=None, finish_reason="stop"),
+    ]
+    header = msgpack.unpackb(encode(Deltas(step=3, deltas=deltas))[0])
+    got = decode([msgpack.packb(header)])
+    assert got == Deltas(step=3, deltas=deltas)
+    header["deltas"][0]["logprob"] = -1  # an int where a float may be: a float after decode
+    got = decode([msgpack.packb(header)]).deltas[0].logprob
+    assert got == -1.0 and type(got) is float
+    for field, bad, words in (
+        ("token_id", True, r"deltas\[1\]\.token_id must be an integer"),
+        ("token_id", 1.5, "must be an integer"),
+        ("logprob", "x", r"deltas\[1\]\.logprob must be a number"),
+        ("top_ids", [1, False], "integer"),
+    ):
+        broken = msgpack.unpackb(msgpack.packb(header))
+        broken["deltas"][1][field] = bad
+        with pytest.raises(ProtocolError, match=words):
+            decode([msgpack.packb(broken)])
+    broken = msgpack.unpackb(msgpack.packb(header))
+    broken["deltas"][1] = [1, 2]
+    with pytest.raises(ProtocolError, match=r"deltas\[1\] must be a map"):
+        decode([msgpack.packb(broken)])
 
 
 def test_a_bundle_round_trips_and_decode_refuses_one():
