@@ -118,8 +118,8 @@ def _as_is(tp: Any) -> tuple[type, ...]:
     scalars = {int: (int,), float: (float,)}
     origin, args = _shape(tp)
     if origin in (typing.Union, types.UnionType) and type(None) in args:
-        (inner,) = [t for t in args if t is not type(None)]
-        return (type(None), *scalars.get(inner, ()))
+        inner = [t for t in args if t is not type(None)]
+        return (type(None), *(scalars.get(inner[0], ()) if len(inner) == 1 else ()))
     return scalars.get(tp, ())
 
 
