@@ -355,11 +355,15 @@ static inline __m512 hsum16x16(const __m512 *a) {
                          _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
 }
 
+/* sixteen bf16 values from p as fp32 (exact: the bits shifted into the high half) */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 /* sixteen values from p (bf16 or fp32) as fp32: K or V rows, an int8 matmul's input rows */
 static inline __m512 f32x16_load(const void *p, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (bf16) return bf16x16_load((const uint16_t *)p);
     return _mm512_loadu_ps(p);
 }
 
@@ -1883,11 +1887,6 @@ static inline __m256i bf16x16_bits(__m512 f) {
         return _mm256_loadu_si256((const __m256i *)bits);
     }
     return (__m256i)_mm512_cvtneps_pbh(f);
-}
-
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 static inline __m512 bf16x16_round(__m512 f) { /* bf16x8_round on sixteen lanes */
