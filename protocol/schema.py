@@ -181,13 +181,8 @@ def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
         if len(value) > limits.max_list_len:
             raise ProtocolError(f"field {path} has more than {limits.max_list_len} entries")
         (item_tp,) = args
-        if dataclasses.is_dataclass(item_tp):  # a step's deltas: each map straight to from_wire
-            return [
-                from_wire(item_tp, v, limits, path=f"{path}[{i}].")
-                if type(v) is dict
-                else _check(v, item_tp, f"{path}[{i}]", limits)
-                for i, v in enumerate(value)
-            ]
+        if dataclasses.is_dataclass(item_tp):  # a step's deltas: each map to _map, not down _check
+            return [_map(v, item_tp, f"{path}[{i}]", limits) for i, v in enumerate(value)]
         return [_check(v, item_tp, f"{path}[{i}]", limits) for i, v in enumerate(value)]
     if origin is dict:
         _, value_tp = args
@@ -203,10 +198,15 @@ def _check(value: Any, tp: Any, path: str, limits: Limits) -> Any:
         _check_json_like(value, path, limits, depth=0)
         return value
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"field {path} must be a map")
-        return from_wire(tp, value, limits, path=f"{path}.")
+        return _map(value, tp, path, limits)
     raise ProtocolError(f"field {path} has a type the protocol cannot carry")  # our bug, not theirs
+
+
+def _map(value: Any, cls: type, path: str, limits: Limits) -> Any:
+    """A dataclass field (or list item): a map, built by from_wire."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"field {path} must be a map")
+    return from_wire(cls, value, limits, path=f"{path}.")
 
 
 def _check_json_like(value: Any, path: str, limits: Limits, depth: int) -> None:
