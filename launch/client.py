@@ -202,6 +202,26 @@ class Client(_ClientBase):
         self.close()
 
 
+# asyncio.timeout (Python 3.11+) arms one timer handle per wait; wait_for wraps the wait in a
+# task of its own. Per streamed token that was ~45 us of a client's CPU against ~28 (32 streams
+# of 64 tokens from a stand-in frontend, 2-core Zen 4), and on a small host the client's CPU is
+# taken from the stages it is measuring.
+_timeout = getattr(asyncio, "timeout", None)
+
+
+async def _next(queue: asyncio.Queue, timeout_s: float) -> Any:
+    """The next message for one request, or TimeoutError after `timeout_s` without one."""
+    if not queue.empty():
+        return queue.get_nowait()
+    try:
+        if _timeout is None:  # Python 3.10
+            return await asyncio.wait_for(queue.get(), timeout_s)
+        async with _timeout(timeout_s):
+            return await queue.get()
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"no answer within {timeout_s:.0f} s") from None
+
+
 class AsyncClient(_ClientBase):
     """asyncio client: many concurrent requests over one socket."""
 
@@ -239,10 +259,7 @@ class AsyncClient(_ClientBase):
         try:
             await self.channel.send(_build(rid, prompt, messages, input_ids, stop, sampling))
             while True:
-                try:
-                    msg = await asyncio.wait_for(queue.get(), self.timeout_s)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"no answer within {self.timeout_s:.0f} s") from None
+                msg = await _next(queue, self.timeout_s)
                 if isinstance(msg, Error):
                     finished = True
                     raise RequestError(msg.code, msg.message)

@@ -71,3 +71,36 @@ def test_a_frontend_that_answers_the_ping_gets_the_full_timeout():
     finally:
         thread.join(10)
         router.close(linger_ms=0)
+
+
+@pytest.mark.timeout(30)
+def test_the_async_client_times_out_a_silent_request_and_aborts_it():
+    """A frontend that pongs but never answers the request: TimeoutError after timeout_s, and
+    the stream's abort reaches the frontend (the ring would free the request)."""
+    addr = nothing_listens()
+    router = RouterChannel(addr)
+    seen: list[str] = []
+
+    def silent_frontend() -> None:
+        for _ in range(3):
+            identity, msg = router.recv(timeout_s=10)
+            seen.append(msg.kind)
+            if isinstance(msg, Ping):
+                router.send(identity, Pong(msg.rid))
+
+    async def run() -> float:
+        async with AsyncClient(addr, timeout_s=0.5, connect_timeout_s=2.0) as client:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError, match="no answer within"):
+                await client.complete("hello")
+            return time.monotonic() - started
+
+    thread = threading.Thread(target=silent_frontend, daemon=True)
+    thread.start()
+    try:
+        waited = asyncio.run(run())
+    finally:
+        thread.join(10)
+        router.close(linger_ms=0)
+    assert 0.4 < waited < 5.0
+    assert seen == ["ping", "generate", "abort"]
