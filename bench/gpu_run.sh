@@ -22,6 +22,8 @@
 # tokens (the mixed workload's prompts, its outputs halved), and `bench serve` runs under a
 # timeout of what is left: it writes its JSON after every layout and baseline, and HF compiled
 # runs last, so a cut loses only what was still running.
+# PHASES: the parts to run, by default all of "tests step serve hfcompile"; a second try within
+# the same session can leave out what the first brought back, e.g. PHASES="serve".
 # Wheels in .whl/ (pyzmq, where the machine lacks it) are installed into /tmp/site first.
 set -uo pipefail
 
@@ -37,6 +39,8 @@ MODEL_DIR=${MODEL_DIR:-$SCRATCH/llama-3.1-8b-random}
 # SERVE_ARGS: more flags for `bench serve`, later ones winning, e.g. SERVE_ARGS=--no-baseline
 # or SERVE_ARGS="--output-tokens 16,128" (the full mixed workload, if the budget allows)
 PRESET=${PRESET:-llama-3-8b}
+PHASES=${PHASES:-tests step serve hfcompile}
+phase() { [[ " $PHASES " == *" $1 "* ]]; }
 DEVICE=${DEVICE:-cuda}
 # Under OUT_DIR, so the logs come back even if the run is killed before its exit trap.
 LOG_DIR=$OUT_DIR/logs
@@ -61,7 +65,9 @@ python3 -c 'import sys, torch, transformers, zmq; print(sys.version.split()[0], 
 # torch.compile's GPU kernels (Triton) build a host stub with a C compiler and Python's headers
 # at first use; a machine without them would fail HF compiled at the very end, so try now.
 HF_COMPILE=--hf-compile
-if python3 -c "import torch; f = torch.compile(lambda x: x.sin() + 1)
+if ! phase hfcompile; then
+    HF_COMPILE=""
+elif python3 -c "import torch; f = torch.compile(lambda x: x.sin() + 1)
 f(torch.ones(8, device='$DEVICE'))" >"$LOG_DIR/compile_check.log" 2>&1; then
     echo "torch.compile: works" | tee -a "$OUT_DIR/machine.txt"
 else
@@ -70,10 +76,11 @@ else
         | tee -a "$OUT_DIR/machine.txt"
 fi
 
+GRAPH_FLAG=()
+if phase tests; then
 stamp "CUDA stage tests"
 # The kernel first, then the graphs, then the stage: a failure does not stop the benches (their
 # figures are the point of the run); it turns off what failed, and the test output says why.
-GRAPH_FLAG=()
 timeout -k 10 90 python3 -m pytest -q -x -p no:cacheprovider tests/stages/test_triton_attention.py \
     >"$OUT_DIR/test_triton.txt" 2>&1
 triton_rc=$?
@@ -93,6 +100,7 @@ if [ "$tests_rc" -ne 0 ] && grep -q "graph" <(grep -E "^(FAILED|ERROR)" "$OUT_DI
 elif [ "$tests_rc" -ne 0 ]; then
     echo "CUDA stage tests failed (rc $tests_rc): the figures below are of a stage that is wrong"
 fi
+fi
 
 stamp "random $PRESET (bf16) into $MODEL_DIR"
 python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEVICE" \
@@ -100,18 +108,21 @@ python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEV
 
 STEP_ARGS=(--model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" --batch-sizes 1,16,64,128
     --context 512 --steps 20)
-if [ ${#GRAPH_FLAG[@]} -eq 0 ]; then
+if phase step && [ ${#GRAPH_FLAG[@]} -eq 0 ]; then
     stamp "bench step (CUDA graphs)"
     timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
         | tee "$LOG_DIR/bench_step.log"
 fi
-stamp "bench step --disable-cuda-graph"
-timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph \
-    --out "$OUT_DIR/no_graph" 2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"
+if phase step; then
+    stamp "bench step --disable-cuda-graph"
+    timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph \
+        --out "$OUT_DIR/no_graph" 2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"
+fi
 
 # 16 GiB of KV a stage: 128 requests of the longest (512 + 64 tokens) at once fit at PP=1.
 # On a CPU (the dry run) a stage's KV is host memory, allocated whole: a tiny model needs little.
 if [ "$DEVICE" = cpu ]; then kv_gib=0.25; else kv_gib=16; fi
+phase serve || { stamp "done"; exit 0; }
 left_s=$((BUDGET_S - SECONDS))
 [ "$left_s" -ge 60 ] || left_s=60
 stamp "bench serve (${left_s}s left)"

@@ -111,3 +111,25 @@ def test_cuda_launch_returns_before_the_device_is_done_and_gives_the_run_output(
     last = chain.stages[1].launch(chunks, **seam)
     tokens = last.wait().wait().token_ids  # the handle's output is a Sample
     assert tokens == reference.sample(prefill(reference)).token_ids
+
+
+def test_the_launcher_on_this_gpu_runs_the_checkpoints_dtype_and_refuses_int8_in_one_sentence(
+    tiny_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the real device (test_dtype.py checks the same rules with a mocked torch.cuda):
+    `--dtype auto` names the checkpoint's bf16 in the start-up summary, an fp32 checkpoint runs
+    bf16 (this GPU has it), and `--quantization int8`, a CPU path, stops the launcher with one
+    sentence before any stage starts."""
+    from types import SimpleNamespace
+
+    from launch import local
+
+    args = local.parse_args(["--model", str(tiny_dirs["gqa"]), "--device", "cuda"])
+    lines = local.compute_lines(args, SimpleNamespace(torch_dtype="bfloat16"))
+    assert lines[0] == "dtype: bfloat16 (auto: the checkpoint's own dtype)"
+    lines = local.compute_lines(args, SimpleNamespace(torch_dtype="float32"))
+    assert lines[0] == "dtype: bfloat16 (auto: bf16 on a GPU that has it)"
+    argv = ["--model", str(tiny_dirs["gqa"]), "--device", "cuda", "--quantization", "int8"]
+    assert local.main([*argv, "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --quantization int8 runs on the CPU only; on cuda use --dtype bfloat16"]
