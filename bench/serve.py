@@ -23,9 +23,10 @@ once more per dtype with a static KV cache and `torch.compile` (layouts "... com
 several concurrencies, vs concurrency) into `--out`, and prints a table.
 
 `--repeats N` (closed loops only, `--no-sweep`) keeps every ring up and every baseline loaded at
-once and measures all of them N times in alternated rounds: on a shared host one run moved 30%,
-so a comparison is claimed from the median round of each point and the median of the per-round
-ratios (PP=2 / PP=1, each layout / the first baseline), all rounds kept in the JSON.
+once and measures all of them N times in alternated rounds, every other one in reverse order
+(`round_order`): on a shared host one run moved 30%, so a comparison is claimed from the median
+round of each point and the median of the per-round ratios (PP=2 / PP=1, each layout / the
+first baseline), all rounds kept in the JSON.
 """
 
 from __future__ import annotations
@@ -445,20 +446,31 @@ def _alternated(
             (name, HFGenerate(model_dir, args.threads, hf_dtype, args.device, compiled=compiled))
             for name, hf_dtype, compiled in hf_baselines(args)
         ]
+        servers = [*targets, *hfs]
         for n in range(args.repeats):
             print(f" round {n + 1} of {args.repeats}", flush=True)
-            for concurrency in args.concurrencies:
+            for concurrency, server in round_order(n, args.concurrencies, servers):
                 sub = _closed_subset(
                     workload, concurrency, args.min_point_requests, args.closed_requests
                 )
-                for target in targets:
-                    point = _measure(target, sub, None, concurrency, args.seed)
-                    rounds.setdefault((target.layout, concurrency), []).append(point)
-                for name, hf in hfs:
-                    point = _measure_hf(name, hf, sub, concurrency)
-                    rounds.setdefault((name, concurrency), []).append(point)
+                if isinstance(server, Target):
+                    point = _measure(server, sub, None, concurrency, args.seed)
+                else:
+                    point = _measure_hf(*server, sub, concurrency)
+                rounds.setdefault((point.layout, concurrency), []).append(point)
             points[:], baselines[:] = _medians(rounds, {t.layout for t in targets})
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
+
+
+def round_order(n: int, concurrencies: list[int], servers: list[Any]) -> list[tuple[int, Any]]:
+    """Round `n`'s points in the order they are measured: every concurrency's servers (rings,
+    then baselines) in the order given, and every odd round the same sequence backwards (A B,
+    then B A). Each point then sits as often early in a round as late, next to the same
+    neighbours on either side, so neither a drift of the host over a round nor the point run
+    just before (`generate` loading the cores and caches in the bench's own process) favours
+    one point of a comparison."""
+    order = [(concurrency, server) for concurrency in concurrencies for server in servers]
+    return order[::-1] if n % 2 else order
 
 
 def _medians(

@@ -154,3 +154,15 @@ def test_bench_serve_backend_flags_are_checked():
             serve_bench.parse_args(bad)
     args = serve_bench.parse_args(["--base-url", "http://127.0.0.1:8000/v1"])
     assert args.backends == ["openai"]
+
+
+def test_every_other_round_runs_backwards_so_each_point_sits_early_and_late_alike():
+    servers = ["PP=1", "PP=2", "HF"]
+    first, second = (serve_bench.round_order(n, [32, 64], servers) for n in (0, 1))
+    assert first[:3] == [(32, "PP=1"), (32, "PP=2"), (32, "HF")] and len(first) == 6
+    assert second == first[::-1]
+    assert serve_bench.round_order(2, [32, 64], servers) == first
+    # Over a pair of rounds every point's positions sum alike: none is always measured first,
+    # nor always right after `generate`.
+    position_sums = {pt: first.index(pt) + second.index(pt) for pt in first}
+    assert set(position_sums.values()) == {len(first) - 1}
