@@ -76,8 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--num-requests",
         type=int,
         default=None,
-        help="requests in the workload; each closed loop runs all of them (default 64, quick 32; "
-        "then a closed loop of C runs the first max(2C, a few))",
+        help="requests in the workload; each closed loop runs all of them (default: 64, quick "
+        "32, or twice the highest --concurrency if more; then a closed loop of C runs the first "
+        "max(2C, a few))",
     )
     parser.add_argument(
         "--rates", default=None, help="requests/s to sweep, e.g. 0.5,1,2 (default: fractions "
@@ -190,6 +191,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--pp-sizes must be >= 1 and --rates > 0")
     if min(*args.concurrencies, args.num_requests, args.threads) < 1 or args.point_seconds <= 0:
         parser.error("--concurrency, --num-requests, --threads and --point-seconds must be > 0")
+    if args.closed_requests is None:
+        # Room for every closed loop's 2C (_closed_subset): with only C requests a loop of C never
+        # refills a place, and measures one static batch's ramp and tail, not C in flight. The
+        # workload's first requests do not change with its size (one seeded stream).
+        args.num_requests = max(args.num_requests, 2 * max(args.concurrencies))
     if args.kv_memory_gib is not None and args.kv_memory_gib <= 0:
         parser.error("--kv-memory-gib must be > 0")
     if (

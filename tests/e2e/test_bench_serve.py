@@ -11,6 +11,7 @@ import pytest
 
 from bench import serve as serve_bench
 from bench.random_model import PRESETS, make_random_model
+from bench.workload import make_workload
 from tests.tiny_llama import make_tiny_llama
 
 
@@ -166,3 +167,17 @@ def test_every_other_round_runs_backwards_so_each_point_sits_early_and_late_alik
     # nor always right after `generate`.
     position_sums = {pt: first.index(pt) + second.index(pt) for pt in first}
     assert set(position_sums.values()) == {len(first) - 1}
+
+
+def test_the_default_workload_refills_every_closed_loop_and_an_asked_size_is_kept():
+    """64 requests at 64 in flight would be one static batch (its ramp and its tail), not 64 in
+    flight: by default the workload holds twice the highest concurrency."""
+    args = serve_bench.parse_args(["--no-sweep", "--concurrency", "32,64"])
+    assert args.num_requests == 128
+    workload = make_workload(args.num_requests, args.seed)
+    assert len(serve_bench._closed_subset(workload, 64, args.min_point_requests).requests) == 128
+    assert len(serve_bench._closed_subset(workload, 32, args.min_point_requests).requests) == 64
+    smaller = make_workload(64, args.seed)
+    assert smaller.requests == workload.requests[:64]  # C=32's requests: as before
+    asked = serve_bench.parse_args(["--no-sweep", "--concurrency", "64", "--num-requests", "16"])
+    assert asked.num_requests == 16 and asked.closed_requests == 16
