@@ -78,28 +78,31 @@ fi
 
 GRAPH_FLAG=()
 if phase tests; then
-stamp "CUDA stage tests"
-# The kernel first, then the graphs, then the stage: a failure does not stop the benches (their
-# figures are the point of the run); it turns off what failed, and the test output says why.
-timeout -k 10 90 python3 -m pytest -q -x -p no:cacheprovider tests/stages/test_triton_attention.py \
-    >"$OUT_DIR/test_triton.txt" 2>&1
-triton_rc=$?
-tail -n 5 "$OUT_DIR/test_triton.txt"
-if [ "$triton_rc" -ne 0 ]; then
-    echo "Triton kernel tests failed (rc $triton_rc): benches use torch's attention, no graphs"
-    export PPRING_TRITON_ATTENTION=0
-    GRAPH_FLAG=(--disable-cuda-graph)
-fi
-timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/stages/test_cuda.py \
-    tests/stages/test_cuda_graphs.py >"$OUT_DIR/test_cuda.txt" 2>&1
-tests_rc=$?
-tail -n 15 "$OUT_DIR/test_cuda.txt"
-if [ "$tests_rc" -ne 0 ] && grep -q "graph" <(grep -E "^(FAILED|ERROR)" "$OUT_DIR/test_cuda.txt"); then
-    echo "CUDA graph tests failed: benches run without graphs"
-    GRAPH_FLAG=(--disable-cuda-graph)
-elif [ "$tests_rc" -ne 0 ]; then
-    echo "CUDA stage tests failed (rc $tests_rc): the figures below are of a stage that is wrong"
-fi
+    stamp "CUDA stage tests"
+    # The kernel first, then the graphs, then the stage: a failure does not stop the benches
+    # (their figures are the point of the run); it turns off what failed, and the test output
+    # says why.
+    timeout -k 10 90 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/stages/test_triton_attention.py >"$OUT_DIR/test_triton.txt" 2>&1
+    triton_rc=$?
+    tail -n 5 "$OUT_DIR/test_triton.txt"
+    if [ "$triton_rc" -ne 0 ]; then
+        echo "Triton kernel tests failed (rc $triton_rc): benches use torch's attention, no graphs"
+        export PPRING_TRITON_ATTENTION=0
+        GRAPH_FLAG=(--disable-cuda-graph)
+    fi
+    timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/stages/test_cuda.py \
+        tests/stages/test_cuda_graphs.py >"$OUT_DIR/test_cuda.txt" 2>&1
+    tests_rc=$?
+    tail -n 15 "$OUT_DIR/test_cuda.txt"
+    failed_tests=$(grep -E "^(FAILED|ERROR)" "$OUT_DIR/test_cuda.txt")
+    if [ "$tests_rc" -ne 0 ] && grep -q "graph" <<<"$failed_tests"; then
+        echo "CUDA graph tests failed: benches run without graphs"
+        GRAPH_FLAG=(--disable-cuda-graph)
+    elif [ "$tests_rc" -ne 0 ]; then
+        echo "CUDA stage tests failed (rc $tests_rc):" \
+            "the figures below are of a stage that is wrong"
+    fi
 fi
 
 stamp "random $PRESET (bf16) into $MODEL_DIR"

@@ -192,10 +192,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if min(*args.concurrencies, args.num_requests, args.threads) < 1 or args.point_seconds <= 0:
         parser.error("--concurrency, --num-requests, --threads and --point-seconds must be > 0")
     if args.closed_requests is None:
-        # Room for every closed loop's 2C (_closed_subset): with only C requests a loop of C never
-        # refills a place, and measures one static batch's ramp and tail, not C in flight. The
-        # workload's first requests do not change with its size (one seeded stream).
-        args.num_requests = max(args.num_requests, 2 * max(args.concurrencies))
+        # Room for every closed loop's requests: with only C of them a loop of C never refills a
+        # place, and measures one static batch's ramp and tail, not C in flight. The workload's
+        # first requests do not change with its size (one seeded stream).
+        args.num_requests = max(
+            args.num_requests,
+            *(closed_loop_requests(c, args.min_point_requests) for c in args.concurrencies),
+        )
     if args.kv_memory_gib is not None and args.kv_memory_gib <= 0:
         parser.error("--kv-memory-gib must be > 0")
     if (
@@ -695,13 +698,19 @@ def _subset(workload: Workload, rate: float, point_seconds: float, min_requests:
     return Workload(workload.seed, workload.requests[:n])
 
 
+def closed_loop_requests(concurrency: int, min_requests: int) -> int:
+    """How many requests a closed loop of `concurrency` runs unless --num-requests says: twice
+    its places, so each is refilled once, and at least `min_requests`."""
+    return max(2 * concurrency, min_requests)
+
+
 def _closed_subset(
     workload: Workload, concurrency: int, min_requests: int, asked: int | None = None
 ) -> Workload:
     """A closed loop runs `asked` requests when --num-requests said how many (all of the
     workload); otherwise the first max(2C, min_requests): enough that places are refilled,
     not so many that a low concurrency takes all day."""
-    n = asked if asked is not None else max(2 * concurrency, min_requests)
+    n = asked if asked is not None else closed_loop_requests(concurrency, min_requests)
     n = min(len(workload.requests), n)
     return Workload(workload.seed, workload.requests[:n])
 
