@@ -280,6 +280,51 @@ def test_paged_attention_matches_a_plain_softmax(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128)])
+def test_paged_attention_over_long_contexts_matches_a_plain_softmax(
+    kernels: native.NativeKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+    threads: int,
+) -> None:  # fmt: skip
+    # Contexts of hundreds of keys, each against fp64: lone decodes below and from 512 keys
+    # (where a lone sequence's KV groups go out a task per thread), then a batch with a
+    # prefill chunk whose rows see from 200 to 320 keys.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(heads)
+        rng = random.Random(head_dim)
+        for specs in ([(256, 1)], [(512, 1)], [(1099, 1)], [(700, 1)], [(200, 120), (900, 1)]):
+            num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs)
+            free = list(range(num_blocks))
+            rng.shuffle(free)
+            chunks = []
+            for start, n in specs:
+                need = -(-(start + n) // BLOCK_SIZE)
+                chunks.append((start, n, [free.pop() for _ in range(need)]))
+            kv = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
+            q = torch.randn(sum(n for _, n in specs), heads, head_dim).to(dtype)
+            i32 = torch.int32
+            lengths = [n for _, n in specs]
+            width = max(len(b) for _, _, b in chunks)
+            got = kernels.paged_attention(
+                q,
+                kernels.to_cache_layout(kv),
+                torch.tensor([sum(lengths[:i]) for i in range(len(specs))], dtype=i32),
+                torch.tensor(lengths, dtype=i32),
+                torch.tensor([s + n for s, n in specs], dtype=i32),
+                torch.tensor([b + [0] * (width - len(b)) for _, _, b in chunks], dtype=i32),
+                head_dim**-0.5,
+            )
+            expected = reference_attention(q, kv, chunks)
+            # relative to the outputs, which shrink as a context grows (means of random values)
+            error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+            assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{specs}: {error}"
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 16)])
 def test_paged_attention_of_a_row_does_not_depend_on_its_batch(
     kernels: native.NativeKernels,
@@ -306,7 +351,7 @@ def check_row_independence(
     kernels: native.NativeKernels, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     torch.manual_seed(heads + head_dim)
-    lengths = [1, 15, 16, 17, 31, 33, 64, 65, 100, 200, 513]
+    lengths = [1, 15, 16, 17, 31, 33, 64, 65, 100, 200, 513, 1100]
     tables, next_block = [], 0
     for n in lengths:
         need = -(-n // BLOCK_SIZE)
