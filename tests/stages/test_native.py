@@ -207,6 +207,21 @@ def test_linear_bf16_matches_f_linear(kernels: native.NativeKernels, n: int, k: 
         assert torch.equal(kernels.linear_bf16(x25[m : 2 * m], panels, n), y25[m : 2 * m])
 
 
+def scattered_chunks(
+    specs: list[tuple[int, int]], rng: random.Random, spare_blocks: int = 0
+) -> tuple[list[tuple[int, int, list[int]]], int]:
+    """(start_pos, n) specs as chunks (start_pos, n, blocks) over blocks dealt out at random,
+    and the number of blocks (spare_blocks more than they use)."""
+    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs) + spare_blocks
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    chunks = []
+    for start, n in specs:
+        need = -(-(start + n) // BLOCK_SIZE)
+        chunks.append((start, n, [free.pop() for _ in range(need)]))
+    return chunks, num_blocks
+
+
 def reference_attention(
     q: torch.Tensor, kv: torch.Tensor, chunks: list[tuple[int, int, list[int]]]
 ) -> torch.Tensor:
@@ -239,15 +254,8 @@ def test_paged_attention_matches_a_plain_softmax(
 ) -> None:
     # A mixed batch: fresh prefills, prefill chunks with earlier context, and decodes of many
     # lengths (one page, several, exactly a page, a page and one), over scattered blocks.
-    rng = random.Random(heads * head_dim)
     specs = [(0, 40), (17, 1), (100, 1), (5, 9), (0, 1), (64, 64), (15, 1), (16, 1), (3, 30)]
-    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs) + 4
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    chunks = []
-    for start, n in specs:
-        need = -(-(start + n) // BLOCK_SIZE)
-        chunks.append((start, n, [free.pop() for _ in range(need)]))
+    chunks, num_blocks = scattered_chunks(specs, random.Random(heads * head_dim), spare_blocks=4)
     torch.manual_seed(0)
     kv = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
     used = {b * BLOCK_SIZE + j for _, _, blocks in chunks for b in blocks for j in range(16)}
@@ -294,13 +302,7 @@ def test_paged_attention_over_long_contexts_matches_a_plain_softmax(
         torch.manual_seed(heads)
         rng = random.Random(head_dim)
         for specs in ([(256, 1)], [(512, 1)], [(1099, 1)], [(700, 1)], [(200, 120), (900, 1)]):
-            num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs)
-            free = list(range(num_blocks))
-            rng.shuffle(free)
-            chunks = []
-            for start, n in specs:
-                need = -(-(start + n) // BLOCK_SIZE)
-                chunks.append((start, n, [free.pop() for _ in range(need)]))
+            chunks, num_blocks = scattered_chunks(specs, rng)
             kv = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
             q = torch.randn(sum(n for _, n in specs), heads, head_dim).to(dtype)
             i32 = torch.int32
