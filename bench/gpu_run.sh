@@ -111,12 +111,12 @@ python3 -m bench.random_model --preset "$PRESET" --dtype bfloat16 --device "$DEV
 
 STEP_ARGS=(--model "$MODEL_DIR" --dtype bfloat16 --device "$DEVICE" --batch-sizes 1,16,64,128
     --context 512 --steps 20)
-if phase step && [ ${#GRAPH_FLAG[@]} -eq 0 ]; then
-    stamp "bench step (CUDA graphs)"
-    timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
-        | tee "$LOG_DIR/bench_step.log"
-fi
 if phase step; then
+    if [ ${#GRAPH_FLAG[@]} -eq 0 ]; then
+        stamp "bench step (CUDA graphs)"
+        timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --out "$OUT_DIR" 2>&1 \
+            | tee "$LOG_DIR/bench_step.log"
+    fi
     stamp "bench step --disable-cuda-graph"
     timeout -k 10 120 python3 -m launch bench step "${STEP_ARGS[@]}" --disable-cuda-graph \
         --out "$OUT_DIR/no_graph" 2>&1 | tee "$LOG_DIR/bench_step_no_graph.log"

@@ -212,14 +212,37 @@ def scattered_chunks(
 ) -> tuple[list[tuple[int, int, list[int]]], int]:
     """(start_pos, n) specs as chunks (start_pos, n, blocks) over blocks dealt out at random,
     and the number of blocks (spare_blocks more than they use)."""
-    num_blocks = sum(-(-(s + n) // BLOCK_SIZE) for s, n in specs) + spare_blocks
+    needs = [-(-(start + n) // BLOCK_SIZE) for start, n in specs]
+    num_blocks = sum(needs) + spare_blocks
     free = list(range(num_blocks))
     rng.shuffle(free)
-    chunks = []
-    for start, n in specs:
-        need = -(-(start + n) // BLOCK_SIZE)
-        chunks.append((start, n, [free.pop() for _ in range(need)]))
+    chunks = [
+        (start, n, [free.pop() for _ in range(need)])
+        for (start, n), need in zip(specs, needs, strict=True)
+    ]
     return chunks, num_blocks
+
+
+def attend_chunks(
+    kernels: native.NativeKernels,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    chunks: list[tuple[int, int, list[int]]],
+) -> torch.Tensor:
+    """The kernel's attention of q [T, h, d] (the chunks' rows in order) over kv [2, slots,
+    kv_heads, d] (converted to the cache layout this build holds)."""
+    i32 = torch.int32
+    lengths = [n for _, n, _ in chunks]
+    width = max(len(b) for _, _, b in chunks)
+    return kernels.paged_attention(
+        q,
+        kernels.to_cache_layout(kv),  # as pairs where this build holds them so
+        torch.tensor([sum(lengths[:i]) for i in range(len(chunks))], dtype=i32),
+        torch.tensor(lengths, dtype=i32),
+        torch.tensor([s + n for s, n, _ in chunks], dtype=i32),
+        torch.tensor([b + [0] * (width - len(b)) for _, _, b in chunks], dtype=i32),
+        q.shape[-1] ** -0.5,
+    )
 
 
 def reference_attention(
@@ -268,18 +291,7 @@ def test_paged_attention_matches_a_plain_softmax(
         kv[:, slot] = float("nan")
     num_tokens = sum(n for _, n, _ in chunks)
     q = torch.randn(num_tokens, heads, head_dim).to(dtype)
-    i32 = torch.int32
-    starts = torch.tensor([0, *torch.tensor([n for _, n, _ in chunks]).cumsum(0)[:-1]], dtype=i32)
-    width = max(len(b) for _, _, b in chunks)
-    got = kernels.paged_attention(
-        q,
-        kernels.to_cache_layout(kv),  # as pairs where this build holds them so
-        starts,
-        torch.tensor([n for _, n, _ in chunks], dtype=i32),
-        torch.tensor([s + n for s, n, _ in chunks], dtype=i32),
-        torch.tensor([b + [0] * (width - len(b)) for _, _, b in chunks], dtype=i32),
-        head_dim**-0.5,
-    )
+    got = attend_chunks(kernels, q, kv, chunks)
     expected = reference_attention(q, kv, chunks)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert not got.isnan().any()
@@ -305,18 +317,7 @@ def test_paged_attention_over_long_contexts_matches_a_plain_softmax(
             chunks, num_blocks = scattered_chunks(specs, rng)
             kv = torch.randn(2, num_blocks * BLOCK_SIZE, kv_heads, head_dim).to(dtype)
             q = torch.randn(sum(n for _, n in specs), heads, head_dim).to(dtype)
-            i32 = torch.int32
-            lengths = [n for _, n in specs]
-            width = max(len(b) for _, _, b in chunks)
-            got = kernels.paged_attention(
-                q,
-                kernels.to_cache_layout(kv),
-                torch.tensor([sum(lengths[:i]) for i in range(len(specs))], dtype=i32),
-                torch.tensor(lengths, dtype=i32),
-                torch.tensor([s + n for s, n in specs], dtype=i32),
-                torch.tensor([b + [0] * (width - len(b)) for _, _, b in chunks], dtype=i32),
-                head_dim**-0.5,
-            )
+            got = attend_chunks(kernels, q, kv, chunks)
             expected = reference_attention(q, kv, chunks)
             # relative to the outputs, which shrink as a context grows (means of random values)
             error = ((got.double() - expected).abs().max() / expected.abs().max()).item()
