@@ -2047,17 +2047,20 @@ static inline void rope_row_bf16(const uint16_t *x, const float *c, const float 
 /* RoPE (rotate-half) on q and k, and this step's K and V stored at their cache slots. q, k and v
  * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
  * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
- * what attention reads); cos and signed sin are [T, D] fp32 (the sine's first half negated):
- * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i]. K and V land in rows of the cache, or as
- * pairs where kv_as_pairs. */
+ * what attention reads); cos and signed sin are fp32 (the sine's first half negated):
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], row t's at row t of cos and sin [T, D],
+ * or with `positions` [T] (non-NULL) at row positions[t] of tables [P, D] that cover them.
+ * K and V land in rows of the cache, or as pairs where kv_as_pairs. */
 static void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
-                            const float *cos, const float *sin, const int64_t *slots, void *kv,
-                            int64_t num_slots, int T, int H, int Hkv, int D) {
+                            const float *cos, const float *sin, const int64_t *positions,
+                            const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
+                            int Hkv, int D) {
     const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
     const int64_t v_offset = num_slots * Hkv * D;
 #pragma omp for schedule(guided, 4)
     for (int t = 0; t < T; t++) {
-        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        const int64_t at = (positions ? positions[t] : t) * D;
+        const float *c = cos + at, *s = sin + at;
         /* pairs: slot j of its page; head g's keys and values start PAGE * D * g into the page */
         const int64_t page_start = slots[t] / PAGE * PAGE * Hkv * D, j = slots[t] % PAGE;
         for (int h = 0; h < H + Hkv; h++) {
@@ -2098,11 +2101,20 @@ static void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *
     }
 }
 
+static void rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+                       const float *cos, const float *sin, const int64_t *positions,
+                       const int64_t *slots, void *kv, int64_t num_slots, int T, int H, int Hkv,
+                       int D) {
+#pragma omp parallel if (T >= 8)
+    rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, positions, slots, kv, num_slots, T, H,
+                    Hkv, D);
+}
+
+/* rope_store_rows over cos and sin [T, D] */
 void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
                     const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
                     int H, int Hkv, int D) {
-#pragma omp parallel if (T >= 8)
-    rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, slots, kv, num_slots, T, H, Hkv, D);
+    rope_store(elem_bytes, qkv, row, q_out, cos, sin, NULL, slots, kv, num_slots, T, H, Hkv, D);
 }
 
 /* out[n] = the first index of row n's largest value of x[N, V] (rows `stride` elements apart),
@@ -2931,7 +2943,8 @@ typedef struct {
     int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
 } ppr_layer_t;
 
-/* What one forward shares across its layers: T rows, the rotary tables, the slots this step
+/* What one forward shares across its layers: T rows, the rotary tables (cos and sin [T, D],
+ * or with positions [T] tables read at those rows: rope_store_rows), the slots this step
  * writes, the paged-attention metadata, and the scratch every layer reuses (each row-major,
  * in the stage dtype): x [T, d], qkv [T, (H + 2 Hkv) D], q and attn [T, H, D], h [T, d],
  * gate_up [T, 2 I], act [T, I]. */
@@ -2939,6 +2952,7 @@ typedef struct {
     int32_t elem_bytes, num_tokens, num_seqs, table_stride;
     int64_t num_slots;
     const float *cos, *sin;
+    const int64_t *positions;
     const int64_t *slot_mapping;
     const int32_t *q_start, *q_len, *ctx_len, *block_table;
     float scale;
@@ -2985,8 +2999,8 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
     ppr_add_rms_norm(eb, h_in, residual_in, L->input_norm, residual_out, s->x, T, L->hidden,
                      L->eps);
     if (run_linear(&L->qkv, eb, s->x, s->qkv, T)) return -1;
-    ppr_rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->slot_mapping, kv, s->num_slots,
-                   T, L->num_heads, L->num_kv_heads, D);
+    rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
+               s->num_slots, T, L->num_heads, L->num_kv_heads, D);
     if (ppr_paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
                             s->block_table, s->table_stride, s->num_slots, L->num_heads,
                             L->num_kv_heads, D, s->scale))
@@ -3081,8 +3095,8 @@ static void decoder_layer_in_team(const ppr_layer_t *L, const ppr_step_t *s, con
     norm_quantize_in_team(h_in, residual_in, L->input_norm, residual_out, s->x, T, d, L->eps,
                           x_rows);
     a8_units(x_rows, L->qkv.a, L->qkv.b, L->qkv.c, s->qkv, T, L->qkv.n, d, L->qkv.bits);
-    rope_store_rows(2, s->qkv, qkv_row, s->q, s->cos, s->sin, s->slot_mapping, kv, s->num_slots,
-                    T, L->num_heads, L->num_kv_heads, D);
+    rope_store_rows(2, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
+                    s->num_slots, T, L->num_heads, L->num_kv_heads, D);
     attention_run(tasks, num_tasks, 2, s->q, kv, s->attn, s->q_start, s->q_len, s->ctx_len,
                   s->block_table, s->table_stride, s->num_slots, L->num_heads, L->num_kv_heads,
                   D, s->scale, attention_scratch);

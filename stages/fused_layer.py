@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,7 @@ class _Step(ctypes.Structure):
         ("num_slots", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),  # NULL: cos, sin are [T, D] rows; else tables at these
         ("slot_mapping", ctypes.c_void_p),
         ("q_start", ctypes.c_void_p),
         ("q_len", ctypes.c_void_p),
@@ -222,6 +224,7 @@ class FusedLayers:
             kv.num_slots,
             cos.data_ptr(),
             sin.data_ptr(),
+            None,  # cos and sin are the rows of this step's positions
             inputs.slot_mapping.data_ptr(),
             paged.q_start.data_ptr(),
             paged.q_len.data_ptr(),
@@ -230,22 +233,60 @@ class FusedLayers:
             self.head_dim**-0.5,
             *scratch,
         )
-        step_at = ctypes.addressof(step)
-        kv_base, kv_stride = kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
-        res_in = _address(residual)
-        self._call(
-            self._layers_at, len(self._layers), step_at, h.data_ptr(), res_in,
-            residual_out.data_ptr(), kv_base, kv_stride, out.data_ptr(),
+        self.run_at(
+            ctypes.addressof(step), h.data_ptr(), _address(residual), residual_out.data_ptr(),
+            *kv_address(kv), out.data_ptr(),
         )  # fmt: skip
         del buffer
         return out, residual_out
 
+    def run_at(
+        self, step_at: int, h_at: int, residual_at: int | None, residual_out_at: int,
+        kv_at: int, kv_stride: int, h_out_at: int,
+    ) -> None:  # fmt: skip
+        """Every layer over raw addresses: the `_Step` at step_at, h [T, d] at h_at, the
+        residual [T, d] at residual_at (None: the model's first layer), the cache at kv_at
+        (`kv_address`), the outputs [T, d] at residual_out_at and h_out_at (either may be its
+        input's address)."""
+        self._call(
+            self._layers_at, len(self._layers), step_at, h_at, residual_at, residual_out_at,
+            kv_at, kv_stride, h_out_at,
+        )  # fmt: skip
+
+    def step_struct(self, num_slots: int, scratch: list[int]) -> _Step:
+        """A `_Step` of this stage's fixed fields (the cache's slots, the attention scale, the
+        scratch addresses from `scratch_for`), the per-step ones zero: stages/cpu_decode.py
+        keeps one and fills those each step."""
+        step = _Step()
+        step.elem_bytes, step.num_slots = _ELEM_BYTES[self.dtype], num_slots
+        step.scale = self.head_dim**-0.5
+        step.x, step.qkv, step.q, step.attn, step.h, step.gate_up, step.act = scratch
+        return step
+
+    def scratch_for(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """A buffer of its own and the addresses in it of every layer's temporaries, for any
+        forward of up to `num_tokens` rows (the kernels read row t at t times a row's width,
+        so a layout for more rows serves fewer); the caller keeps the buffer alive."""
+        return self._layout(torch.empty(self._scratch_elems(num_tokens), dtype=self.dtype),
+                            num_tokens)  # fmt: skip
+
     def _scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """A buffer and, in _Step's order, the addresses in it of every layer's temporaries
-        for `num_tokens` rows (x, qkv, q, attn, h, gate_up, act; each consumed within the layer
-        that wrote it), each 64-byte aligned. Up to HELD_ROWS rows the buffer is kept from
-        step to step: nine allocations a step cost a single stream ~60 us (stages/ops.py
-        RopeTable says why small things cost that much there)."""
+        for `num_tokens` rows (`_layout`). Up to HELD_ROWS rows the buffer is kept from step to
+        step: nine allocations a step cost a single stream ~60 us (stages/ops.py RopeTable
+        says why small things cost that much there)."""
+        needed = self._scratch_elems(num_tokens)
+        buffer = self._held
+        if buffer is None or buffer.numel() < needed:
+            buffer = torch.empty(needed, dtype=self.dtype)
+            if num_tokens <= self.HELD_ROWS:
+                self._held = buffer
+        return self._layout(buffer, num_tokens)
+
+    def _scratch_sizes(self, num_tokens: int) -> list[int]:
+        """Elements of each temporary for `num_tokens` rows, in _Step's order (x, qkv, q, attn,
+        h, gate_up, act; each consumed within the layer that wrote it), rounded up to 64
+        bytes."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         widths = (
             self.hidden,
@@ -257,16 +298,16 @@ class FusedLayers:
             self.intermediate,
         )
         align = 64 // _ELEM_BYTES[self.dtype]  # elements in 64 bytes
-        sizes = [-(-num_tokens * width // align) * align for width in widths]
-        needed = sum(sizes) + align  # and room to align the start
-        buffer = self._held
-        if buffer is None or buffer.numel() < needed:
-            buffer = torch.empty(needed, dtype=self.dtype)
-            if num_tokens <= self.HELD_ROWS:
-                self._held = buffer
+        return [-(-num_tokens * width // align) * align for width in widths]
+
+    def _scratch_elems(self, num_tokens: int) -> int:
+        return sum(self._scratch_sizes(num_tokens)) + 64 // _ELEM_BYTES[self.dtype]  # + align
+
+    def _layout(self, buffer: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
+        """`buffer` and the 64-byte aligned addresses of the temporaries in it."""
         base = -(-buffer.data_ptr() // 64) * 64
         addresses, offset = [], 0
-        for size in sizes:
+        for size in self._scratch_sizes(num_tokens):
             addresses.append(base + offset * _ELEM_BYTES[self.dtype])
             offset += size
         return buffer, addresses
@@ -308,6 +349,8 @@ class GreedyHead:
     - `join`: the first stage of a split lm_head: its rows' maxima against the last stage's.
     """
 
+    HELD_ROWS = FusedLayers.HELD_ROWS  # the most rows tokens_at takes
+
     def __init__(
         self,
         head: _Linear,
@@ -324,6 +367,9 @@ class GreedyHead:
         self.eps = eps
         self.dtype = dtype
         self.token_base = token_base  # the stage's first vocabulary row
+        self._held: torch.Tensor | None = None  # tokens_at's scratch and tokens, made at need
+        self._held_out = array("q")
+        self._held_at = (0, 0, 0)  # their addresses and the norm weight's
 
     @classmethod
     def build(
@@ -340,6 +386,27 @@ class GreedyHead:
         """h, residual [N, d] -> [N] int64: each row's greedy token (the first maximal logit)."""
         out, _, _ = self._finish(h, residual, keep_x=False, want_best=False)
         return out
+
+    def tokens_at(self, h_at: int, residual_at: int, rows: int) -> list[int]:
+        """`tokens` over raw rows (stages/cpu_decode.py's buffers): h and residual [rows, d]
+        in the stage dtype at h_at and residual_at, rows at most HELD_ROWS; the scratch and
+        the tokens go to buffers kept between calls. Returns each row's greedy token."""
+        assert 0 < rows <= self.HELD_ROWS and self.norm_weight is not None
+        if self._held is None:  # h + residual, x [HELD_ROWS, d] each and the logits [., V]
+            hidden, vocab = self._head.k, self._head.n
+            self._held = torch.empty(self.HELD_ROWS * (2 * hidden + vocab), dtype=self.dtype)
+            self._held_out = array("q", bytes(8 * self.HELD_ROWS))  # [HELD_ROWS] int64
+            self._held_at = (
+                self._held.data_ptr(),
+                self._held_out.buffer_info()[0],
+                self.norm_weight.data_ptr(),
+            )
+        scratch_at, out_at, norm_at = self._held_at
+        self._call(
+            self._head_at, _ELEM_BYTES[self.dtype], h_at, residual_at, norm_at, self.eps, rows,
+            self._head.k, scratch_at, None, self.token_base, out_at, None, None, None,
+        )  # fmt: skip
+        return self._held_out[:rows].tolist()
 
     def share(
         self, h: torch.Tensor, residual: torch.Tensor
@@ -387,6 +454,11 @@ class GreedyHead:
             _address(their_best), _address(their_token),
         )  # fmt: skip
         return out, x, best
+
+
+def kv_address(kv: KVCache) -> tuple[int, int]:
+    """The cache's address and the bytes from one layer's part to the next."""
+    return kv.data.data_ptr(), kv.data.stride(0) * kv.data.element_size()
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

@@ -97,7 +97,7 @@ def build_inputs(
     decode_rows: list[int] = []
     decode_chunks: list[SeqChunk] = []
     for chunk in chunks:
-        _check_chunk(chunk)
+        check_chunk(chunk)
         row = cu_seqlens[-1]
         n = len(chunk.token_ids)
         input_ids.extend(chunk.token_ids)
@@ -185,8 +185,9 @@ def _paged_attn(chunks: list[SeqChunk], cu_seqlens: torch.Tensor, ints: torch.Te
     )
 
 
-def _check_chunk(chunk: SeqChunk) -> None:
-    # A violation here is a scheduler bug; fail loudly rather than attend to someone else's KV.
+def check_chunk(chunk: SeqChunk) -> None:
+    """A ValueError for a chunk no forward can run. A violation here is a scheduler bug; fail
+    loudly rather than attend to someone else's KV."""
     if not chunk.token_ids:
         raise ValueError("a chunk must carry at least one token")
     if chunk.start_pos < 0:

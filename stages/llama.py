@@ -250,9 +250,13 @@ class LlamaStage(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         if hidden_states is not None or residual is not None:
             raise ValueError("the first stage embeds token ids; it takes no hidden_states")
+        return self.embed(inputs.input_ids), None
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids [T] long -> their rows [T, d] in the stage dtype."""
         if self.embed_tokens is None:  # tied: the lm_head holds the matrix
-            return self.lm_head.rows(inputs.input_ids), None  # [T, d]
-        return F.embedding(inputs.input_ids, self.embed_tokens), None  # [T, d]
+            return self.lm_head.rows(ids)
+        return F.embedding(ids, self.embed_tokens)
 
     def _receive(
         self,

@@ -449,16 +449,24 @@ class NativeKernels:
         Only where `a8_dot`."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], quads.in_features, dtype=torch.bfloat16)
+        self.grid_a8_rows_at(quads, _grid_pointers(quads), ids.data_ptr(), out.data_ptr(),
+                             ids.shape[0])  # fmt: skip
+        return out
+
+    def grid_a8_rows_at(
+        self, quads: GridQuads, pointers: tuple[int, int, int | None], ids_at: int, out_at: int,
+        rows: int,
+    ) -> None:  # fmt: skip
+        """grid_a8_rows over raw addresses: ids [rows] int64 at ids_at, out [rows, K] bf16 at
+        out_at, `pointers` = _grid_pointers(quads) (taken once by a caller that keeps them)."""
         status = self._lib.ppr_grid_a8_rows(
-            *_grid_pointers(quads), ids.data_ptr(), out.data_ptr(), ids.shape[0],
-            quads.out_features, quads.in_features, quads.bits,
-        )  # fmt: skip
+            *pointers, ids_at, out_at, rows, quads.out_features, quads.in_features, quads.bits
+        )
         if status != 0:
             raise ValueError(
                 f"grid_a8_rows: token ids must lie in [0, {quads.out_features}) "
                 "(or these kernels lack AVX512_BF16 and VNNI)"
             )
-        return out
 
     def add_rms_norm(
         self,

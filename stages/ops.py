@@ -100,9 +100,13 @@ class NativeOps:
         With `max_position` (the largest of `positions`), rows of a table kept across steps."""
         if max_position is None:
             return _rope_fp32(positions, inv_freq)
+        return self.rope_table(inv_freq).rows(positions, max_position)
+
+    def rope_table(self, inv_freq: torch.Tensor) -> RopeTable:
+        """The table kept across steps for `inv_freq` (the stage's one)."""
         if self._rope is None or self._rope.inv_freq is not inv_freq:
             self._rope = RopeTable(inv_freq)
-        return self._rope.rows(positions, max_position)
+        return self._rope
 
 
 class RopeTable:
@@ -123,12 +127,18 @@ class RopeTable:
 
     def rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long, none above max_position -> cos, signed sin [T, d] fp32."""
+        cos, sin = self.covering(max_position)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def covering(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables, cos and signed sin [P, d] fp32, grown to P > max_position (a
+        kernel given positions reads its rows there: cpu_kernels.c rope_store_rows)."""
         size = self.cos.shape[0]
         if max_position >= size:
             while size <= max_position:
                 size *= 2
             self.cos, self.sin = _rope_fp32(torch.arange(size), self.inv_freq)
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return self.cos, self.sin
 
 
 Ops = TorchOps | NativeOps

@@ -18,6 +18,7 @@ from stages import native, triton_attention
 from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
 from stages.config import ModelConfig
 from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
+from stages.cpu_decode import CpuDecodeStep
 from stages.cuda_graphs import (
     CudaRecorder,
     DecodeGraphs,
@@ -150,6 +151,7 @@ class StageRunner(Stage):
         self.graph_recorder = self._graph_recorder(cuda_graph_max_bs, graph_recorder)
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graph_recorder else None
         self.graphs: DecodeGraphs | None = None
+        self.cpu_decode: CpuDecodeStep | None = None  # (allocate_kv)
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.clock = StepClock()
         logger.info(
@@ -254,7 +256,7 @@ class StageRunner(Stage):
                 f"{self.log_prefix} cannot allocate {num_blocks} KV blocks; its budget holds "
                 f"{self._num_kv_blocks}"
             )
-        self.kv = self.graphs = None  # free the old cache (and graphs over it) first
+        self.kv = self.graphs = self.cpu_decode = None  # free the old cache (and all over it)
         if self.graph_recorder is not None:
             self.graph_recorder.reset()
         # With graphs, one block more: the scratch block that padding rows write to, which the
@@ -272,6 +274,9 @@ class StageRunner(Stage):
         )
         if self.graph_recorder is not None:
             self._capture_graphs(num_blocks)
+        elif self.device.type == "cpu":
+            # decode-only steps on buffers kept from step to step (stages/cpu_decode.py)
+            self.cpu_decode = CpuDecodeStep.build(self.model, self.kv)
 
     def _triton_decode(self) -> bool:
         """A GPU stage reads the paged cache with the Triton kernel where it builds and checks
@@ -356,6 +361,13 @@ class StageRunner(Stage):
         sampling: Sequence[SamplingParams | None] | None = None,
         histories: Sequence[History | None] | None = None,
     ) -> StageOutput:
+        fast = self.cpu_decode
+        if fast is not None and fast.takes(chunks, hidden_states, residual):
+            if not self.is_last_stage:
+                h, residual = fast.seam(chunks, hidden_states, residual)
+                return Seam(hidden_states=h, residual=residual)
+            if fast.head is not None and _every_row_plain_greedy(chunks, sampling):
+                return SampleResult(token_ids=fast.tokens(chunks, hidden_states, residual))
         step = self._forward(chunks, hidden_states, residual)
         output = self._finish(chunks, step, sampling, histories)
         if step.from_graph and not self.is_last_stage:
@@ -596,6 +608,15 @@ def _picked_params(
         for i, chunk in enumerate(chunks)
         if chunk.sample
     ]
+
+
+def _every_row_plain_greedy(
+    chunks: list[SeqChunk], sampling: Sequence[SamplingParams | None] | None
+) -> bool:
+    """Every chunk samples, and plain greedy (a decode batch of plain greedy requests)."""
+    if not all(chunk.sample for chunk in chunks):
+        return False
+    return sampling is None or all(p is None or _plain_greedy(p) for p in sampling)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
