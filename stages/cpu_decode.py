@@ -23,8 +23,9 @@ Zen 4): 1 row 4.43 -> 4.09 ms (faster in 94 of 100 blocks), 4 rows 5.60 -> 5.23 
 between them, took 3.81 ms against the general path's 4.28 in another such run.
 
 Used for a decode-only batch (one token a chunk, at most MAX_ROWS of them) on a stage whose
-layers run fused (stages/fused_layer.py), where the stage hands a seam on or, as the last stage
-of an unsplit lm_head, every row samples plain greedy. Anything else takes the general path.
+layers run fused (stages/fused_layer.py), where the stage hands a seam on or, as the last
+stage, every row samples plain greedy (its tokens, or with the lm_head split its share of
+them). Anything else takes the general path.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
 
 class CpuDecodeStep:
     """One stage's decode steps on kept buffers. Build with `build`; `takes` says whether a
-    step can run here, then `tokens` (the last stage) or `seam` (any other) runs it."""
+    step can run here, then `seam` (a stage that hands on), `tokens` (the last stage) or
+    `share` (the last stage of a split lm_head) runs it."""
 
     MAX_ROWS = FusedLayers.HELD_ROWS  # the layers' scratch is laid out for this many rows
 
@@ -59,8 +61,9 @@ class CpuDecodeStep:
         self.dtype = fused.dtype
         self.hidden = fused.hidden
         self.is_first_stage = model.is_first_stage
-        # the last stage of a whole lm_head finishes greedy rows (a split one shares them)
-        self._whole_head = model.is_last_stage and model.head_rows == (0, model.config.vocab_size)
+        # the last stage finishes greedy rows: with the whole lm_head, their tokens; with a
+        # split one, its share of them (the first stage joins it)
+        self._whole_head = model.head_rows == (0, model.config.vocab_size)
         self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)
         self._step = fused.step_struct(kv.num_slots, addresses)
         self._step_at = ctypes.addressof(self._step)
@@ -87,9 +90,9 @@ class CpuDecodeStep:
 
     @property
     def head(self) -> GreedyHead | None:
-        """The one-call greedy finish `tokens` uses; None: this stage has none (not the last
-        stage of a whole lm_head, or its finish runs call by call)."""
-        return self.model.greedy_head if self._whole_head else None
+        """The last stage's one-call greedy finish, which `tokens` and `share` use; None: not
+        the last stage, or its finish runs call by call."""
+        return self.model.greedy_head if self.model.is_last_stage else None
 
     @classmethod
     def build(cls, model: LlamaStage, kv: KVCache) -> CpuDecodeStep | None:
@@ -133,9 +136,23 @@ class CpuDecodeStep:
         """Last stage (unsplit lm_head), every chunk sampling plain greedy: each chunk's greedy
         token."""
         head = self.head
-        assert head is not None
+        assert head is not None and self._whole_head
         self._layers(chunks, hidden_states, residual, self._h_out_at, self._residual_out_at)
         return head.tokens_at(self._h_out_at, self._residual_out_at, len(chunks))
+
+    def share(
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Last stage of a split lm_head, every chunk sampling plain greedy: the final norm's
+        output x [n, d], and over this stage's vocabulary rows each row's maximal logit [n]
+        and its token [n] int64 (fresh tensors: they leave for the first stage)."""
+        head = self.head
+        assert head is not None and not self._whole_head
+        self._layers(chunks, hidden_states, residual, self._h_out_at, self._residual_out_at)
+        return head.share_at(self._h_out_at, self._residual_out_at, len(chunks))
 
     def seam(
         self,

@@ -391,8 +391,26 @@ class GreedyHead:
         """`tokens` over raw rows (stages/cpu_decode.py's buffers): h and residual [rows, d]
         in the stage dtype at h_at and residual_at, rows at most HELD_ROWS; the scratch and
         the tokens go to buffers kept between calls. Returns each row's greedy token."""
-        assert 0 < rows <= self.HELD_ROWS and self.norm_weight is not None
+        self._finish_at(h_at, residual_at, rows, None, self._kept()[1], None)
+        return self._held_out[:rows].tolist()
+
+    def share_at(
+        self, h_at: int, residual_at: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`share` over raw rows, as `tokens_at` takes them: x [rows, d], each row's maximal
+        logit [rows] and its token [rows] int64, fresh tensors (they leave for the first
+        stage)."""
+        x = torch.empty(rows, self._head.k, dtype=self.dtype)
+        best = torch.empty(rows, dtype=self.dtype)
+        token = torch.empty(rows, dtype=torch.int64)
+        self._finish_at(h_at, residual_at, rows, x.data_ptr(), token.data_ptr(), best.data_ptr())
+        return x, best, token
+
+    def _kept(self) -> tuple[int, int, int]:
+        """The addresses of the kept scratch and tokens (made at first need) and of the norm
+        weight."""
         if self._held is None:  # h + residual, x [HELD_ROWS, d] each and the logits [., V]
+            assert self.norm_weight is not None
             hidden, vocab = self._head.k, self._head.n
             self._held = torch.empty(self.HELD_ROWS * (2 * hidden + vocab), dtype=self.dtype)
             self._held_out = array("q", bytes(8 * self.HELD_ROWS))  # [HELD_ROWS] int64
@@ -401,12 +419,19 @@ class GreedyHead:
                 self._held_out.buffer_info()[0],
                 self.norm_weight.data_ptr(),
             )
-        scratch_at, out_at, norm_at = self._held_at
+        return self._held_at
+
+    def _finish_at(
+        self, h_at: int, residual_at: int, rows: int, x_at: int | None, out_at: int,
+        best_at: int | None,
+    ) -> None:  # fmt: skip
+        """The last stage's one call over raw rows, its scratch kept between calls."""
+        assert 0 < rows <= self.HELD_ROWS and self.norm_weight is not None
+        scratch_at, _, norm_at = self._kept()
         self._call(
             self._head_at, _ELEM_BYTES[self.dtype], h_at, residual_at, norm_at, self.eps, rows,
-            self._head.k, scratch_at, None, self.token_base, out_at, None, None, None,
+            self._head.k, scratch_at, x_at, self.token_base, out_at, best_at, None, None,
         )  # fmt: skip
-        return self._held_out[:rows].tolist()
 
     def share(
         self, h: torch.Tensor, residual: torch.Tensor

@@ -367,7 +367,12 @@ class StageRunner(Stage):
                 h, residual = fast.seam(chunks, hidden_states, residual)
                 return Seam(hidden_states=h, residual=residual)
             if fast.head is not None and _every_row_plain_greedy(chunks, sampling):
-                return SampleResult(token_ids=fast.tokens(chunks, hidden_states, residual))
+                if not self.split_lm_head:
+                    return SampleResult(token_ids=fast.tokens(chunks, hidden_states, residual))
+                x, best_logit, best_token = fast.share(chunks, hidden_states, residual)
+                return LogitsShare(
+                    hidden=x, logits=torch.empty(0), best_logit=best_logit, best_token=best_token
+                )
         step = self._forward(chunks, hidden_states, residual)
         output = self._finish(chunks, step, sampling, histories)
         if step.from_graph and not self.is_last_stage:

@@ -1,6 +1,7 @@
 """Decode steps on kept buffers (stages/cpu_decode.py) compute what the general path computes:
 the same tokens, the same seams and the same cache, bit for bit, on every stage role (the only
-stage, a first, a middle and a last one), for GQA, MHA and MQA, tied and untied embeddings (the
+stage, a first, a middle and a last one, and the last of a split lm_head, whose share the first
+stage joins), for GQA, MHA and MQA, tied and untied embeddings (the
 default model's lookup, a tied lm_head on a GGUF grid, included), with decodes of different
 context lengths, and between steps the general path runs (prefill chunks mixed with decodes).
 What the kept path does not take (prefill, sampling, a seam it cannot read) goes the general
@@ -80,6 +81,10 @@ def drive(chain: Chain, kept: bool) -> tuple[list[list[object]], int]:
         step_outputs: list[object] = []
         for stage in chain.stages:
             out = stage.run(chunks, **seam)
+            if stage.is_last_stage and chain.split_lm_head:  # a share, joined on stage 0
+                assert isinstance(out, dict)
+                step_outputs.append(tuple(out[k].clone() for k in sorted(out)))
+                out = chain.stages[0].sample_share(chunks, out)
             if isinstance(out, dict):
                 seam = dict(out)
                 step_outputs.append((out["hidden_states"].clone(), out["residual"].clone()))
@@ -92,7 +97,7 @@ def drive(chain: Chain, kept: bool) -> tuple[list[list[object]], int]:
 def kept_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The kept path's entries, appended to as they run."""
     calls: list[str] = []
-    for name in ("tokens", "seam"):
+    for name in ("tokens", "seam", "share"):
         original = getattr(CpuDecodeStep, name)
 
         def counted(step: CpuDecodeStep, *args: object, _f=original, _name=name) -> object:
@@ -103,7 +108,9 @@ def kept_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("partition", [[4], [1, 3], [1, 2, 1]])
+@pytest.mark.parametrize(
+    ("partition", "split"), [([4], False), ([1, 3], False), ([1, 2, 1], False), ([2, 2], True)]
+)
 @pytest.mark.parametrize(
     ("model", "dtype"),
     [("gqa", "float32"), ("tied", "float32"), ("mqa", "bfloat16"), ("tied_grid", "bfloat16")],
@@ -113,12 +120,13 @@ def test_kept_decode_steps_equal_the_general_path_bit_for_bit(
     tied_grid_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
     partition: list[int],
+    split: bool,
     model: str,
     dtype: str,
 ) -> None:
     needs_bf16_dot(dtype)
     folder = tied_grid_dir if model == "tied_grid" else tiny_dirs[model]
-    chains = [Chain(folder, partition, dtype=dtype) for _ in range(2)]
+    chains = [Chain(folder, partition, dtype=dtype, split_lm_head=split) for _ in range(2)]
     assert all(stage.cpu_decode is not None for stage in chains[0].stages)
     if model == "tied_grid" and len(partition) == 1:  # the lm_head serves the lookup, as the
         first = chains[0].stages[0].model  # default model's: the kernels decode its rows

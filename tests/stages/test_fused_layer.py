@@ -112,11 +112,15 @@ def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
 
         return counted
 
-    def counting_at(head: fused_layer.GreedyHead, h_at: int, residual_at: int, rows: int) -> Any:
-        calls.append(("tokens", rows))  # (stages/cpu_decode.py's decode steps)
-        return tokens_at(head, h_at, residual_at, rows)
+    def counting_at(name: str) -> Callable[..., Any]:  # (stages/cpu_decode.py's decode steps)
+        original = getattr(fused_layer.GreedyHead, f"{name}_at")
 
-    tokens_at = fused_layer.GreedyHead.tokens_at
+        def counted(head: fused_layer.GreedyHead, h_at: int, res_at: int, rows: int) -> Any:
+            calls.append((name, rows))
+            return original(head, h_at, res_at, rows)
+
+        return counted
+
     # with two stages, the lm_head split too: the last stage's share, joined on the first
     for split in (False, True) if len(partition) > 1 else (False,):
         finishes = ["share", "join"] if split else ["tokens"]
@@ -136,7 +140,8 @@ def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
                 with pytest.MonkeyPatch.context() as patch:
                     for name in ("tokens", "share", "join"):
                         patch.setattr(fused_layer.GreedyHead, name, counting(name))
-                    patch.setattr(fused_layer.GreedyHead, "tokens_at", counting_at)
+                    for name in ("tokens", "share"):
+                        patch.setattr(fused_layer.GreedyHead, f"{name}_at", counting_at(name))
                     outputs.append(greedy_generate(chain, prompts, max_new_tokens=9))
                 # every decode step, not the prefill (3 sampled rows of 33), whose greedy share
                 # the first stage still joins in one call
