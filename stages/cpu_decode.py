@@ -57,14 +57,14 @@ class CpuDecodeStep:
     def __init__(self, model: LlamaStage, fused: FusedLayers, kv: KVCache) -> None:
         self.model = model
         self.fused = fused
-        self.kv = kv
+        self.kv = kv  # (held: the kernels get its address)
         self.dtype = fused.dtype
         self.hidden = fused.hidden
         self.is_first_stage = model.is_first_stage
         # the last stage finishes greedy rows: with the whole lm_head, their tokens; with a
         # split one, its share of them (the first stage joins it)
         self._whole_head = model.head_rows == (0, model.config.vocab_size)
-        self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)
+        self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)  # (held, as kv)
         self._step = fused.step_struct(kv.num_slots, addresses)
         self._step_at = ctypes.addressof(self._step)
         self._kv_at, self._kv_stride = kv_address(kv)
@@ -96,8 +96,8 @@ class CpuDecodeStep:
 
     @classmethod
     def build(cls, model: LlamaStage, kv: KVCache) -> CpuDecodeStep | None:
-        """One for a stage whose layers run fused (and, on the last stage, whose greedy finish
-        does); None where the general path is the only one."""
+        """One for a stage whose layers run fused (a last stage's one-call greedy finish is
+        looked up per step: `head`); None where the general path is the only one."""
         if model.fused is None or not hasattr(model.ops, "rope_table"):
             return None
         return cls(model, model.fused, kv)
