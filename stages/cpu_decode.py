@@ -40,7 +40,6 @@ from stages.batch import BLOCK_SIZE, SeqChunk
 from stages.fused_layer import FusedLayers, GreedyHead, kv_address
 from stages.inputs import check_chunk
 from stages.linear import GridA8Linear
-from stages.native import _grid_pointers
 
 if TYPE_CHECKING:
     from stages.kv_cache import KVCache
@@ -61,9 +60,6 @@ class CpuDecodeStep:
         self.dtype = fused.dtype
         self.hidden = fused.hidden
         self.is_first_stage = model.is_first_stage
-        # the last stage finishes greedy rows: with the whole lm_head, their tokens; with a
-        # split one, its share of them (the first stage joins it)
-        self._whole_head = model.head_rows == (0, model.config.vocab_size)
         self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)  # (held, as kv)
         self._step = fused.step_struct(kv.num_slots, addresses)
         self._step_at = ctypes.addressof(self._step)
@@ -78,15 +74,10 @@ class CpuDecodeStep:
         self._h_out_at = self._h_in_at + rows_bytes
         self._residual_out_at = self._h_out_at + rows_bytes
         # The default model's lookup: its tied lm_head's grid codes, decoded by one kernel call
-        # into the kept rows; any other lookup runs as the general path's (LlamaStage.embed).
+        # into the kept rows; None: the general path's (LlamaStage.embed).
         head = getattr(model, "lm_head", None)
-        self._a8_lookup = (
-            model.is_first_stage and model.embed_tokens is None and isinstance(head, GridA8Linear)
-        )
-        if self._a8_lookup:
-            assert isinstance(head, GridA8Linear)
-            self._quads, self._quads_at = head.grid, _grid_pointers(head.grid)
-            self._kernels = head.kernels
+        tied = model.is_first_stage and model.embed_tokens is None
+        self._lookup_into = head.rows_into if tied and isinstance(head, GridA8Linear) else None
 
     @property
     def head(self) -> GreedyHead | None:
@@ -128,31 +119,33 @@ class CpuDecodeStep:
         )
 
     def tokens(
-        self,
-        chunks: list[SeqChunk],
-        hidden_states: torch.Tensor | None = None,
+        self, chunks: list[SeqChunk], hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-    ) -> list[int]:
+    ) -> list[int]:  # fmt: skip
         """Last stage (unsplit lm_head), every chunk sampling plain greedy: each chunk's greedy
         token."""
-        head = self.head
-        assert head is not None and self._whole_head
-        self._layers(chunks, hidden_states, residual, self._h_out_at, self._residual_out_at)
+        head = self._kept_layers(chunks, hidden_states, residual)
         return head.tokens_at(self._h_out_at, self._residual_out_at, len(chunks))
 
     def share(
-        self,
-        chunks: list[SeqChunk],
-        hidden_states: torch.Tensor | None = None,
+        self, chunks: list[SeqChunk], hidden_states: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """Last stage of a split lm_head, every chunk sampling plain greedy: the final norm's
         output x [n, d], and over this stage's vocabulary rows each row's maximal logit [n]
         and its token [n] int64 (fresh tensors: they leave for the first stage)."""
-        head = self.head
-        assert head is not None and not self._whole_head
-        self._layers(chunks, hidden_states, residual, self._h_out_at, self._residual_out_at)
+        head = self._kept_layers(chunks, hidden_states, residual)
         return head.share_at(self._h_out_at, self._residual_out_at, len(chunks))
+
+    def _kept_layers(
+        self, chunks: list[SeqChunk], hidden_states: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> GreedyHead:  # fmt: skip
+        """The last stage's layers into its kept rows, for the greedy finish it returns."""
+        head = self.head
+        assert head is not None
+        self._layers(chunks, hidden_states, residual, self._h_out_at, self._residual_out_at)
+        return head
 
     def seam(
         self,
@@ -195,8 +188,8 @@ class CpuDecodeStep:
             row = blocks[:width]
             ints.extend(row if len(row) == width else row + [0] * (width - len(row)))
         longs_at, ints_at = longs.buffer_info()[0], ints.buffer_info()[0]
-        if self._a8_lookup:
-            self._kernels.grid_a8_rows_at(self._quads, self._quads_at, longs_at, self._h_in_at, n)
+        if self._lookup_into is not None:
+            self._lookup_into(longs_at, self._h_in_at, n)
             h_at, residual_at = self._h_in_at, None
         elif self.is_first_stage:
             ids = torch.frombuffer(longs, dtype=torch.int64, count=n)  # a view: no copy

@@ -267,21 +267,22 @@ class FusedLayers:
         """A buffer of its own and the addresses in it of every layer's temporaries, for any
         forward of up to `num_tokens` rows (the kernels read row t at t times a row's width,
         so a layout for more rows serves fewer); the caller keeps the buffer alive."""
-        return self._layout(torch.empty(self._scratch_elems(num_tokens), dtype=self.dtype),
-                            num_tokens)  # fmt: skip
+        sizes = self._scratch_sizes(num_tokens)
+        return self._layout(torch.empty(self._scratch_elems(sizes), dtype=self.dtype), sizes)
 
     def _scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """A buffer and, in _Step's order, the addresses in it of every layer's temporaries
         for `num_tokens` rows (`_layout`). Up to HELD_ROWS rows the buffer is kept from step to
         step: nine allocations a step cost a single stream ~60 us (stages/ops.py RopeTable
         says why small things cost that much there)."""
-        needed = self._scratch_elems(num_tokens)
+        sizes = self._scratch_sizes(num_tokens)
+        needed = self._scratch_elems(sizes)
         buffer = self._held
         if buffer is None or buffer.numel() < needed:
             buffer = torch.empty(needed, dtype=self.dtype)
             if num_tokens <= self.HELD_ROWS:
                 self._held = buffer
-        return self._layout(buffer, num_tokens)
+        return self._layout(buffer, sizes)
 
     def _scratch_sizes(self, num_tokens: int) -> list[int]:
         """Elements of each temporary for `num_tokens` rows, in _Step's order (x, qkv, q, attn,
@@ -300,14 +301,15 @@ class FusedLayers:
         align = 64 // _ELEM_BYTES[self.dtype]  # elements in 64 bytes
         return [-(-num_tokens * width // align) * align for width in widths]
 
-    def _scratch_elems(self, num_tokens: int) -> int:
-        return sum(self._scratch_sizes(num_tokens)) + 64 // _ELEM_BYTES[self.dtype]  # + align
+    def _scratch_elems(self, sizes: list[int]) -> int:
+        """What a buffer for temporaries of `sizes` holds: room to align its start too."""
+        return sum(sizes) + 64 // _ELEM_BYTES[self.dtype]
 
-    def _layout(self, buffer: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
-        """`buffer` and the 64-byte aligned addresses of the temporaries in it."""
+    def _layout(self, buffer: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """`buffer` and the 64-byte aligned addresses of temporaries of `sizes` in it."""
         base = -(-buffer.data_ptr() // 64) * 64
         addresses, offset = [], 0
-        for size in self._scratch_sizes(num_tokens):
+        for size in sizes:
             addresses.append(base + offset * _ELEM_BYTES[self.dtype])
             offset += size
         return buffer, addresses

@@ -306,6 +306,11 @@ class GridA8Linear(_HeldAsCodes):
         kernel call: grid.quad_rows's torch ops cost ~50 us a step)."""
         return self.kernels.grid_a8_rows(self.grid, ids)
 
+    def rows_into(self, ids_at: int, out_at: int, rows: int) -> None:
+        """`rows` over raw addresses: ids [rows] int64 at ids_at, into out [rows, K] bf16 at
+        out_at (stages/cpu_decode.py's kept rows)."""
+        self.kernels.grid_a8_rows_at(self.grid, ids_at, out_at, rows)
+
     def dense_weight(self) -> torch.Tensor:
         """The bf16 weight [N, K] the codes stand for (for tools that compare with F.linear)."""
         return self.rows(torch.arange(self.out_features))

@@ -449,19 +449,16 @@ class NativeKernels:
         Only where `a8_dot`."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], quads.in_features, dtype=torch.bfloat16)
-        self.grid_a8_rows_at(quads, _grid_pointers(quads), ids.data_ptr(), out.data_ptr(),
-                             ids.shape[0])  # fmt: skip
+        self.grid_a8_rows_at(quads, ids.data_ptr(), out.data_ptr(), ids.shape[0])
         return out
 
-    def grid_a8_rows_at(
-        self, quads: GridQuads, pointers: tuple[int, int, int | None], ids_at: int, out_at: int,
-        rows: int,
-    ) -> None:  # fmt: skip
+    def grid_a8_rows_at(self, quads: GridQuads, ids_at: int, out_at: int, rows: int) -> None:
         """grid_a8_rows over raw addresses: ids [rows] int64 at ids_at, out [rows, K] bf16 at
-        out_at, `pointers` = _grid_pointers(quads) (taken once by a caller that keeps them)."""
+        out_at."""
         status = self._lib.ppr_grid_a8_rows(
-            *pointers, ids_at, out_at, rows, quads.out_features, quads.in_features, quads.bits
-        )
+            *_grid_pointers(quads), ids_at, out_at, rows, quads.out_features, quads.in_features,
+            quads.bits,
+        )  # fmt: skip
         if status != 0:
             raise ValueError(
                 f"grid_a8_rows: token ids must lie in [0, {quads.out_features}) "

@@ -20,7 +20,7 @@ from stages.batch import SeqChunk
 from stages.cpu_decode import CpuDecodeStep
 from stages.linear import GridA8Linear
 from tests.stages.conftest import Chain
-from tests.stages.test_fused_layer import grid_dir, needs_bf16_dot  # noqa: F401 (a fixture)
+from tests.stages.test_fused_layer import needs_bf16_dot
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 from tests.tiny_llama import make_tiny_llama
 
