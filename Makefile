@@ -8,7 +8,7 @@ STAMP := $(VENV)/.ppring-installed
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip --disable-pip-version-check --quiet
 
-.PHONY: setup test test-long lint demo soak bench-codec bench-ring bench-serve bench-step clean
+.PHONY: setup test test-asan test-long lint demo soak bench-codec bench-ring bench-serve bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not long and not serial"
 	$(BIN)/pytest -m "serial and not long" -p no:xdist
+
+# The kernel tests with the kernels built under AddressSanitizer and UBSan (PPRING_SANITIZE=1,
+# a test-only build; any report fails the run). libasan goes first into the interpreter, and
+# libstdc++ with it, so that ASan finds the C++ runtime torch throws its errors through.
+# Its own cache folder: a sanitized build never lands where a stage would load it.
+ASAN_TESTS := tests/stages/test_native.py tests/stages/test_native_bounds.py \
+	tests/stages/test_fused_layer.py tests/stages/test_cpu_decode.py tests/stages/test_grid.py \
+	tests/stages/test_grid_a8.py tests/stages/test_grid_bf16.py
+test-asan: setup
+	PPRING_SANITIZE=1 PPRING_CACHE=$(CURDIR)/$(VENV)/asan-cache \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \
+		$(BIN)/pytest -p no:xdist -p no:cacheprovider --capture=sys -q $(ASAN_TESTS)
 
 # The long variants (marked `long`): e.g. a PP=3 ring of the default model losing a stage
 # twice, against transformers. make test runs a short form of each.

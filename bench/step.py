@@ -160,6 +160,13 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
     return {"stage_s": own, "f_linear_s": dense}
 
 
+def tokens_per_sequence(context: int, steps: int, rounds: int) -> int:
+    """The cache slots one sequence of `time_decode` fills: its prompt, the warm-up steps, one
+    untimed step after each round's copy, and the timed steps. The KV pool is sized from this
+    and the block tables are cut from it, so the two cannot disagree."""
+    return context + WARMUP_STEPS + min(rounds, steps) + steps
+
+
 def time_decode(
     runner: Any, batch: int, context: int, steps: int, probe: CopyProbe, rounds: int
 ) -> dict[str, Any]:
@@ -175,9 +182,8 @@ def time_decode(
 
     rng = random.Random(batch)
     vocab = runner.config.vocab_size
+    per_seq = blocks_needed(tokens_per_sequence(context, steps, rounds))
     rounds = min(rounds, steps)
-    total = context + WARMUP_STEPS + rounds + steps
-    per_seq = blocks_needed(total)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
     # Fill the cache a few sequences per forward, as a chunked prefill would.
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     choice = resolve_dtype(args.dtype, device, config.torch_dtype)
     args.dtype = choice.name
     max_batch = max(args.batch_sizes)
-    blocks = max_batch * blocks_needed(args.context + WARMUP_STEPS + args.steps)
+    blocks = max_batch * blocks_needed(tokens_per_sequence(args.context, args.steps, args.rounds))
     block_bytes = bytes_per_block(config, config.num_layers, args.dtype)
     started = time.monotonic()
     runner = StageRunner(

@@ -61,7 +61,7 @@ class CpuDecodeStep:
         self.hidden = fused.hidden
         self.is_first_stage = model.is_first_stage
         self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)  # (held, as kv)
-        self._step = fused.step_struct(kv.num_slots, addresses)
+        self._step = fused.step_struct(kv.num_slots, addresses, self.MAX_ROWS)
         self._step_at = ctypes.addressof(self._step)
         self._kv_at, self._kv_stride = kv_address(kv)
         self._rope = model.ops.rope_table(model.inv_freq)
@@ -202,7 +202,7 @@ class CpuDecodeStep:
         step = self._step
         step.num_tokens = step.num_seqs = n
         step.table_stride = width
-        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        step.cos, step.sin, step.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         step.positions = longs_at + 8 * n
         step.slot_mapping = longs_at + 16 * n
         step.q_start, step.q_len = ints_at, ints_at + 4 * n

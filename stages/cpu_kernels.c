@@ -36,6 +36,20 @@
 
 int ppr_block_size(void) { return PAGE; }
 
+/* What an entry point returns when an index it would write or read through lies outside the
+ * sizes it was given; stages/native.py raises each as one sentence (an IndexError or a
+ * ValueError, as the torch path does). Every entry point that takes slots, block ids,
+ * positions or row ranges checks them all once, before it writes anything: no caller can make
+ * these kernels touch memory outside the buffers it described. */
+enum {
+    PPR_REFUSED = -1,      /* a kind or shape this build lacks, or no memory for a buffer */
+    PPR_BAD_SLOT = -2,     /* a cache slot outside [0, num_slots) */
+    PPR_BAD_BLOCK = -3,    /* a block id outside the pool's num_slots / PAGE blocks */
+    PPR_BAD_ROWS = -4,     /* a row count or a query range outside the rows given */
+    PPR_BAD_POSITION = -5, /* a position outside the rotary tables' rows */
+    PPR_BAD_CONTEXT = -6,  /* a context shorter than its queries, or past its block table */
+};
+
 static inline float bf16_load(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;
@@ -956,14 +970,36 @@ static int attention_shapes_ok(int elem_bytes, int H, int Hkv) {
            (elem_bytes == 4 || elem_bytes == 2);
 }
 
-/* Attention of every query row in a packed batch over its sequence's paged context.
- * elem_bytes: 4 (float32) or 2 (bfloat16) for q, kv and out. Returns 0, or -1 when H is not a
- * multiple of Hkv or scratch cannot be allocated. */
-int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
-                        const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
-                        const int32_t *table, int table_stride, int64_t num_slots, int H, int Hkv,
-                        int D, float scale) {
-    if (!attention_shapes_ok(elem_bytes, H, Hkv)) return -1;
+/* Whether the attention metadata stays inside what the caller described: every sequence's
+ * query rows inside [0, num_tokens), its context at least its queries and at most its block
+ * table's pages, and every block id its context reads inside the pool. 0, or a PPR_BAD_*. */
+static int attention_indices_check(int num_tokens, int num_seqs, const int32_t *q_start,
+                                   const int32_t *q_len, const int32_t *ctx_len,
+                                   const int32_t *table, int table_stride, int64_t num_slots) {
+    if (num_tokens < 0 || num_seqs < 0) return PPR_BAD_ROWS;
+    if (table_stride < 0) return PPR_BAD_CONTEXT;
+    const int64_t num_blocks = num_slots / PAGE;
+    for (int s = 0; s < num_seqs; s++) {
+        if (q_start[s] < 0 || q_len[s] < 0 || (int64_t)q_start[s] + q_len[s] > num_tokens)
+            return PPR_BAD_ROWS;
+        if (ctx_len[s] < q_len[s] || ctx_len[s] > (int64_t)table_stride * PAGE)
+            return PPR_BAD_CONTEXT;
+        const int32_t *blocks = table + (int64_t)s * table_stride;
+        for (int64_t j = 0; j * PAGE < ctx_len[s]; j++)
+            if (blocks[j] < 0 || blocks[j] >= num_blocks) return PPR_BAD_BLOCK;
+    }
+    return 0;
+}
+
+/* Attention of every query row in a packed batch over its sequence's paged context, its
+ * metadata already checked (attention_indices_check). elem_bytes: 4 (float32) or 2 (bfloat16)
+ * for q, kv and out. Returns 0, or -1 when H is not a multiple of Hkv or scratch cannot be
+ * allocated. */
+static int paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
+                           const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
+                           const int32_t *table, int table_stride, int64_t num_slots, int H,
+                           int Hkv, int D, float scale) {
+    if (!attention_shapes_ok(elem_bytes, H, Hkv) || D <= 0) return PPR_REFUSED;
     const int num_threads = omp_get_max_threads();
     const int num_tasks =
         attention_plan(elem_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, NULL);
@@ -984,6 +1020,19 @@ int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out
     }
     free(tasks);
     return failed ? -1 : 0;
+}
+
+/* paged_attention for a caller from outside: q and out [num_tokens, H, D], the cache
+ * [2, num_slots, Hkv, D]; the metadata is checked against those sizes first. */
+int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_tokens,
+                        int num_seqs, const int32_t *q_start, const int32_t *q_len,
+                        const int32_t *ctx_len, const int32_t *table, int table_stride,
+                        int64_t num_slots, int H, int Hkv, int D, float scale) {
+    const int bad = attention_indices_check(num_tokens, num_seqs, q_start, q_len, ctx_len, table,
+                                            table_stride, num_slots);
+    if (bad) return bad;
+    return paged_attention(elem_bytes, q, kv, out, num_seqs, q_start, q_len, ctx_len, table,
+                           table_stride, num_slots, H, Hkv, D, scale);
 }
 
 /* Streaming weights from memory is the whole cost of a small batch, and the hardware
@@ -2110,11 +2159,27 @@ static void rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out
                     Hkv, D);
 }
 
-/* rope_store_rows over cos and sin [T, D] */
-void ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
-                    const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
-                    int H, int Hkv, int D) {
+/* Whether every one of T rows' cache slot lies in [0, num_slots) and, with positions (NULL:
+ * none), its position in [0, rope_rows). 0, or a PPR_BAD_*. */
+static int slots_positions_check(int T, const int64_t *slots, int64_t num_slots,
+                                 const int64_t *positions, int64_t rope_rows) {
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return PPR_BAD_SLOT;
+        if (positions && (positions[t] < 0 || positions[t] >= rope_rows)) return PPR_BAD_POSITION;
+    }
+    return 0;
+}
+
+/* rope_store_rows over cos and sin [T, D]: q_out [T, H, D], k and v into the cache
+ * [2, num_slots, Hkv, D] at slots [T], each checked first. Returns 0 or PPR_BAD_SLOT. */
+int ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
+                   const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
+                   int H, int Hkv, int D) {
+    if (T < 0) return PPR_BAD_ROWS;
+    const int bad = slots_positions_check(T, slots, num_slots, NULL, 0);
+    if (bad) return bad;
     rope_store(elem_bytes, qkv, row, q_out, cos, sin, NULL, slots, kv, num_slots, T, H, Hkv, D);
+    return 0;
 }
 
 /* out[n] = the first index of row n's largest value of x[N, V] (rows `stride` elements apart),
@@ -2951,6 +3016,8 @@ typedef struct {
 typedef struct {
     int32_t elem_bytes, num_tokens, num_seqs, table_stride;
     int64_t num_slots;
+    int32_t max_tokens; /* rows the scratch below holds: num_tokens may not exceed it */
+    int32_t rope_rows;  /* with positions: the rows of cos and sin, which positions index */
     const float *cos, *sin;
     const int64_t *positions;
     const int64_t *slot_mapping;
@@ -2987,6 +3054,19 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
     return -1;
 }
 
+/* Whether a step's indices stay inside the sizes it gives: its rows within the scratch's
+ * max_tokens, every slot inside the cache, every position inside the rotary tables (where
+ * positions are given), and the attention metadata (attention_indices_check). Checked once a
+ * call, before the first layer writes anything. 0, or a PPR_BAD_*. */
+static int step_check(const ppr_step_t *s) {
+    if (s->num_tokens < 0 || s->num_tokens > s->max_tokens) return PPR_BAD_ROWS;
+    const int bad = slots_positions_check(s->num_tokens, s->slot_mapping, s->num_slots,
+                                          s->positions, s->rope_rows);
+    if (bad) return bad;
+    return attention_indices_check(s->num_tokens, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
+                                   s->block_table, s->table_stride, s->num_slots);
+}
+
 /* h_in [T, d] (read only: it may be a received frame), residual_in [T, d] or NULL (the first
  * layer of the first stage), kv [2, slots, Hkv, D] this layer's cache. Writes residual_out
  * [T, d] (it may be residual_in itself) and h_out [T, d] (it may be h_in). Returns 0, or -1
@@ -3001,9 +3081,9 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
     if (run_linear(&L->qkv, eb, s->x, s->qkv, T)) return -1;
     rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
                s->num_slots, T, L->num_heads, L->num_kv_heads, D);
-    if (ppr_paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
-                            s->block_table, s->table_stride, s->num_slots, L->num_heads,
-                            L->num_kv_heads, D, s->scale))
+    if (paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
+                        s->block_table, s->table_stride, s->num_slots, L->num_heads,
+                        L->num_kv_heads, D, s->scale))
         return -1;
     if (run_linear(&L->o, eb, s->attn, s->h, T)) return -1;
     ppr_add_rms_norm(eb, s->h, residual_out, L->post_attn_norm, residual_out, s->x, T, L->hidden,
@@ -3160,6 +3240,8 @@ static int decoder_layers_in_team(const ppr_layer_t *layers, int n, const ppr_st
 int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, const void *h_in,
                        const void *residual_in, void *residual_out, void *kv, int64_t kv_stride,
                        void *h_out) {
+    const int bad = step_check(s);
+    if (bad) return bad;
 #ifdef HAVE_A8_DOT
     if (stack_in_team_ok(layers, n, s))
         return decoder_layers_in_team(layers, n, s, h_in, residual_in, residual_out, kv,
@@ -3188,13 +3270,15 @@ int ppr_decoder_layers(const ppr_layer_t *layers, int n, const ppr_step_t *s, co
  * all higher), a row whose their_best is greater takes their_token: a tie goes to the lower
  * id, as an argmax over the whole row would.
  *
- * scratch holds 2 N d + N V elements (h + residual, x, the logits); with `x_out` [N, d]
- * (non-NULL) x goes there instead, for the caller to keep. Returns 0, or -1 where the lm_head's
- * kind is one this build lacks. */
+ * scratch holds 2 max_rows d + max_rows V elements (h + residual, x, the logits), and every
+ * row buffer max_rows rows; with `x_out` [N, d] (non-NULL) x goes there instead, for the caller
+ * to keep. Returns 0; PPR_BAD_ROWS for N outside [0, max_rows] or d not the lm_head's K; -1
+ * where the lm_head's kind is one this build lacks. */
 int ppr_greedy_head(const ppr_linear_t *head, int elem_bytes, const void *h, const void *residual,
-                    const void *norm_weight, float eps, int N, int d, void *scratch, void *x_out,
-                    int64_t token_base, int64_t *out, void *best, const void *their_best,
-                    const int64_t *their_token) {
+                    const void *norm_weight, float eps, int N, int max_rows, int d, void *scratch,
+                    void *x_out, int64_t token_base, int64_t *out, void *best,
+                    const void *their_best, const int64_t *their_token) {
+    if (N < 0 || N > max_rows || d != head->k) return PPR_BAD_ROWS;
     char *sum = scratch, *x = x_out ? x_out : sum + (int64_t)N * d * elem_bytes;
     char *logits = sum + 2 * (int64_t)N * d * elem_bytes;
     const void *rows = h;
@@ -3217,6 +3301,17 @@ int ppr_greedy_head(const ppr_linear_t *head, int elem_bytes, const void *h, con
             if (their_best) theirs = bf16_load(((const uint16_t *)their_best)[n]);
         }
         out[n] = their_best && theirs > own ? their_token[n] : out[n] + token_base;
+    }
+    return 0;
+}
+
+/* sizeof each struct stages/fused_layer.py mirrors in ctypes (0 ppr_linear_t, 1 ppr_layer_t,
+ * 2 ppr_step_t; else 0): checked at load, so a field added on one side alone is caught. */
+int64_t ppr_struct_size(int which) {
+    switch (which) {
+    case 0: return sizeof(ppr_linear_t);
+    case 1: return sizeof(ppr_layer_t);
+    case 2: return sizeof(ppr_step_t);
     }
     return 0;
 }

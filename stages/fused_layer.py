@@ -85,6 +85,8 @@ class _Step(ctypes.Structure):
         ("num_seqs", ctypes.c_int32),
         ("table_stride", ctypes.c_int32),
         ("num_slots", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int32),  # rows the scratch holds
+        ("rope_rows", ctypes.c_int32),  # with positions: rows of cos and sin
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("positions", ctypes.c_void_p),  # NULL: cos, sin are [T, D] rows; else tables at these
@@ -106,6 +108,17 @@ class _Step(ctypes.Structure):
 
 def enabled() -> bool:
     return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def _check_mirrors(kernels: NativeKernels) -> None:
+    """The structs above mirror cpu_kernels.c's by hand: a field added on one side alone
+    would make C read every later field at the wrong offset, so their sizes must agree."""
+    ours = tuple(ctypes.sizeof(struct) for struct in (_Linear, _Layer, _Step))
+    if ours != kernels.struct_sizes:
+        raise RuntimeError(
+            f"stages/fused_layer.py's ctypes structs (sizes {ours}) do not match "
+            f"cpu_kernels.c's ({kernels.struct_sizes}): update them together"
+        )
 
 
 # (module class, stage dtype) -> cpu_kernels.c's kind; int8 runs in either dtype
@@ -191,6 +204,7 @@ class FusedLayers:
         matrices = [[_linear(proj, dtype) for proj in _projections(layer)] for layer in layers]
         if any(spec is None for four in matrices for spec in four):
             return None
+        _check_mirrors(kernels)
         return cls(layers, matrices, kernels, dtype)
 
     def forward(
@@ -222,6 +236,8 @@ class FusedLayers:
             paged.q_start.shape[0],
             paged.block_table.shape[1],
             kv.num_slots,
+            num_tokens,  # the scratch is laid out for these rows
+            cos.shape[0],
             cos.data_ptr(),
             sin.data_ptr(),
             None,  # cos and sin are the rows of this step's positions
@@ -253,12 +269,13 @@ class FusedLayers:
             kv_at, kv_stride, h_out_at,
         )  # fmt: skip
 
-    def step_struct(self, num_slots: int, scratch: list[int]) -> _Step:
+    def step_struct(self, num_slots: int, scratch: list[int], max_tokens: int) -> _Step:
         """A `_Step` of this stage's fixed fields (the cache's slots, the attention scale, the
-        scratch addresses from `scratch_for`), the per-step ones zero: stages/cpu_decode.py
-        keeps one and fills those each step."""
+        scratch addresses from `scratch_for(max_tokens)`), the per-step ones zero:
+        stages/cpu_decode.py keeps one and fills those each step."""
         step = _Step()
         step.elem_bytes, step.num_slots = _ELEM_BYTES[self.dtype], num_slots
+        step.max_tokens = max_tokens
         step.scale = self.head_dim**-0.5
         step.x, step.qkv, step.q, step.attn, step.h, step.gate_up, step.act = scratch
         return step
@@ -382,7 +399,10 @@ class GreedyHead:
         if not enabled() or kernels is None or dtype not in _ELEM_BYTES:
             return None
         head = _linear(lm_head, dtype)
-        return None if head is None else cls(head, norm_weight, eps, dtype, token_base, kernels)
+        if head is None:
+            return None
+        _check_mirrors(kernels)
+        return cls(head, norm_weight, eps, dtype, token_base, kernels)
 
     def tokens(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """h, residual [N, d] -> [N] int64: each row's greedy token (the first maximal logit)."""
@@ -432,7 +452,8 @@ class GreedyHead:
         scratch_at, _, norm_at = self._kept()
         self._call(
             self._head_at, _ELEM_BYTES[self.dtype], h_at, residual_at, norm_at, self.eps, rows,
-            self._head.k, scratch_at, x_at, self.token_base, out_at, best_at, None, None,
+            self.HELD_ROWS, self._head.k, scratch_at, x_at, self.token_base, out_at, best_at,
+            None, None,
         )  # fmt: skip
 
     def share(
@@ -476,7 +497,7 @@ class GreedyHead:
         out = torch.empty(rows, dtype=torch.int64)
         self._call(
             self._head_at, _ELEM_BYTES[self.dtype], h.data_ptr(), _address(residual),
-            _address(self.norm_weight), self.eps, rows, hidden, scratch.data_ptr(),
+            _address(self.norm_weight), self.eps, rows, rows, hidden, scratch.data_ptr(),
             _address(x), self.token_base, out.data_ptr(), _address(best),
             _address(their_best), _address(their_token),
         )  # fmt: skip

@@ -42,6 +42,13 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # No -march: the compiler's baseline (x86-64 without AVX2 here), so the portable C paths run;
 # the tests build this too, so both are checked on every machine.
 PORTABLE_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+# A test-only build (`make test-asan`): every build of the kernels under AddressSanitizer and
+# UBSan, any report fatal. The interpreter must have libasan preloaded (LD_PRELOAD).
+SANITIZE_ENV = "PPRING_SANITIZE"  # "1": sanitized builds
+SANITIZE_CFLAGS = (
+    "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+)  # fmt: skip
 COMPILE_TIMEOUT_S = 120
 
 _vp = ctypes.c_void_p
@@ -63,7 +70,7 @@ class NativeKernels:
             raise RuntimeError(f"{path} was built for another panel width")
         lib.ppr_paged_attention.restype = ctypes.c_int
         lib.ppr_paged_attention.argtypes = [
-            ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, _vp, _vp, _vp, _vp,
+            ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, _vp,
             ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float,
         ]  # fmt: skip
@@ -109,7 +116,7 @@ class NativeKernels:
         lib.ppr_add_rms_norm.argtypes = (
             [ctypes.c_int] + [_vp] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
         )
-        lib.ppr_rope_store.restype = None
+        lib.ppr_rope_store.restype = ctypes.c_int
         lib.ppr_rope_store.argtypes = [
             ctypes.c_int, _vp, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp, ctypes.c_int64,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -126,8 +133,13 @@ class NativeKernels:
         lib.ppr_layer_matmuls.argtypes = [_vp, ctypes.c_int, ctypes.c_int] + [_vp] * 4
         lib.ppr_greedy_head.restype = ctypes.c_int
         lib.ppr_greedy_head.argtypes = [_vp, ctypes.c_int] + [_vp] * 3
-        lib.ppr_greedy_head.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int, _vp, _vp]
+        lib.ppr_greedy_head.argtypes += [ctypes.c_float] + [ctypes.c_int] * 3 + [_vp, _vp]
         lib.ppr_greedy_head.argtypes += [ctypes.c_int64, _vp, _vp, _vp, _vp]
+        lib.ppr_struct_size.restype = ctypes.c_int64
+        lib.ppr_struct_size.argtypes = [ctypes.c_int]
+        # sizeof ppr_linear_t, ppr_layer_t, ppr_step_t: stages/fused_layer.py checks its
+        # ctypes mirrors against them before it builds one
+        self.struct_sizes = tuple(lib.ppr_struct_size(i) for i in range(3))
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -154,11 +166,17 @@ class NativeKernels:
         if block_table.dtype is not torch.int32 or not block_table.is_contiguous():
             raise ValueError("the block table must be contiguous int32")
         out = torch.empty_like(q)
+        for meta in (q_start, q_len, ctx_len):
+            if meta.dtype is not torch.int32 or tuple(meta.shape) != tuple(q_start.shape[:1]):
+                raise ValueError("q_start, q_len and ctx_len must be [N] int32 each")
+        if block_table.dim() != 2 or block_table.shape[0] != q_start.shape[0]:
+            raise ValueError("the block table must be [N, max_blocks], a row a sequence")
         status = self._lib.ppr_paged_attention(
             _ELEM_BYTES[q.dtype],
             q.data_ptr(),
             kv_layer.data_ptr(),
             out.data_ptr(),
+            num_tokens,
             q_start.shape[0],
             q_start.data_ptr(),
             q_len.data_ptr(),
@@ -171,6 +189,7 @@ class NativeKernels:
             head_dim,
             scale,
         )
+        check_status(status, "paged attention", num_tokens, num_slots)
         if status != 0:
             raise RuntimeError(
                 f"paged attention failed for {num_heads} heads over {num_kv_heads} KV heads"
@@ -518,7 +537,7 @@ class NativeKernels:
         if slot_mapping.dtype is not torch.int64 or slot_mapping.shape[0] != num_tokens:
             raise ValueError("slot_mapping must be [T] int64")
         q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
-        self._lib.ppr_rope_store(
+        status = self._lib.ppr_rope_store(
             _ELEM_BYTES[qkv.dtype],
             qkv.data_ptr(),
             row,
@@ -533,6 +552,7 @@ class NativeKernels:
             num_kv_heads,
             head_dim,
         )
+        check_status(status, "rope_store", num_tokens, num_slots)
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -562,6 +582,7 @@ class NativeKernels:
         status = self._lib.ppr_decoder_layers(
             layers, num_layers, step, h_in, residual_in, residual_out, kv, kv_stride, h_out
         )
+        check_status(status, "the fused decoder layers")
         if status != 0:
             raise RuntimeError("a kernel of the fused decoder layer failed (see cpu_kernels.c)")
 
@@ -575,16 +596,18 @@ class NativeKernels:
 
     def greedy_head(
         self, head: int, elem_bytes: int, h: int, residual: int | None, norm_weight: int | None,
-        eps: float, rows: int, hidden: int, scratch: int, x_out: int | None, token_base: int,
-        out: int, best: int | None, their_best: int | None, their_token: int | None,
+        eps: float, rows: int, max_rows: int, hidden: int, scratch: int, x_out: int | None,
+        token_base: int, out: int, best: int | None, their_best: int | None,
+        their_token: int | None,
     ) -> None:  # fmt: skip
         """A greedy finish of `rows` rows in one call over raw addresses (None: NULL): the
         lm_head's struct at `head` and the buffers stages/fused_layer.py GreedyHead lays out
-        (it checks them); cpu_kernels.c ppr_greedy_head says what each is."""
+        for `max_rows` rows; cpu_kernels.c ppr_greedy_head says what each is."""
         status = self._lib.ppr_greedy_head(
-            head, elem_bytes, h, residual, norm_weight, eps, rows, hidden, scratch, x_out,
-            token_base, out, best, their_best, their_token,
+            head, elem_bytes, h, residual, norm_weight, eps, rows, max_rows, hidden, scratch,
+            x_out, token_base, out, best, their_best, their_token,
         )  # fmt: skip
+        check_status(status, "the greedy lm_head", max_rows)
         if status != 0:
             raise RuntimeError("the lm_head's kernel refused (see cpu_kernels.c)")
 
@@ -604,6 +627,30 @@ class NativeKernels:
 
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
+
+# cpu_kernels.c's PPR_BAD_*: what an index the caller passed lies outside of (the kernels check
+# before they write anything), raised as the torch path raises it: IndexError for an index,
+# ValueError for a count or range
+_BAD_INDEX = {
+    -2: (IndexError, "a cache slot lies outside the KV pool{slots}"),
+    -3: (IndexError, "a block id lies outside the KV pool{blocks}"),
+    -4: (ValueError, "a row count or a query's rows lie outside the{rows} rows given"),
+    -5: (IndexError, "a position lies outside the rotary tables' rows"),
+    -6: (ValueError, "a context is shorter than its query or longer than its block table"),
+}
+
+
+def check_status(status: int, what: str, rows: int | None = None, slots: int | None = None):
+    """Raise the one-sentence error for a kernel's PPR_BAD_* status; other statuses pass."""
+    if status not in _BAD_INDEX:
+        return
+    kind, sentence = _BAD_INDEX[status]
+    sentence = sentence.format(
+        slots=f"'s {slots} slots" if slots is not None else "",
+        blocks=f"'s {slots // BLOCK_SIZE} blocks" if slots is not None else "",
+        rows=f" {rows}" if rows is not None else "",
+    )
+    raise kind(f"{what}: {sentence}; nothing was written")
 
 
 def _grid_pointers(grid: GridCodes | GridPairs | GridQuads) -> tuple[int, int, int | None]:
@@ -668,7 +715,9 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.splitlines()[0]
     key = hashlib.sha256(
-        b"\0".join([source, version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()])
+        b"\0".join(
+            [source, version.encode(), " ".join(_flags(CFLAGS)).encode(), _cpu_signature().encode()]
+        )
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if not target.is_file():
@@ -686,7 +735,7 @@ def compile_kernels(target: Path, compiler: str, cflags: tuple[str, ...] = CFLAG
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *cflags, "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *_flags(cflags), "-o", partial, str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,
@@ -698,6 +747,11 @@ def compile_kernels(target: Path, compiler: str, cflags: tuple[str, ...] = CFLAG
         if os.path.exists(partial):
             os.unlink(partial)
     return target
+
+
+def _flags(cflags: tuple[str, ...]) -> tuple[str, ...]:
+    """`cflags`, with the sanitizers' where PPRING_SANITIZE=1 asks for them."""
+    return (*cflags, *SANITIZE_CFLAGS) if os.environ.get(SANITIZE_ENV) == "1" else cflags
 
 
 def find_compiler() -> str | None:
