@@ -35,7 +35,7 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   SmolLM2's matmuls, 2 threads, Zen 4 EPYC, 9 alternated rounds, medians, ms, against the bf16
   panels: 1 row 3.7 / 8.9, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88 (one
   thread, 16 rows, 21.2 / 23.5). Not the panels' results bit for bit (x keeps ~8 bits a block;
-  README gives what that does to perplexity), but a row's result depends on that row alone.
+  docs/engine.md gives what that does to perplexity), but a row's result depends on that row alone.
 - `Int8Linear` (CPU, `--quantization int8`): weights stored as int8 with one fp32 scale per
   output channel (symmetric, max |w| / 127), multiplied by the kernel in integers: a quarter of
   the bytes of fp32, for the single stream, where reading the weights is the whole step. torch's
@@ -291,7 +291,7 @@ class GridA8Linear(_HeldAsCodes):
     a weight, and no bf16 panels held: all of SmolLM2's matmuls, 2 threads, Zen 4 EPYC (random
     codes of its shapes against the bf16 panels, 9 alternated rounds, medians): 1 row 3.7 /
     8.9 ms, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88. The results are not
-    bit for bit the bf16 panels' (x loses bits to its int8 grid; README gives the perplexity),
+    bit for bit the bf16 panels' (x loses bits to its int8 grid; docs/engine.md: perplexity),
     but a row's result still depends on that row alone. `PPRING_GRID_ACTIVATIONS=bf16` keeps
     GridBf16Linear instead."""
 
