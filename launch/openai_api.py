@@ -44,21 +44,40 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 << 20  # a whole context of text is under 100 KB; 4 MiB is generous
 # Choices one request may ask for (n x prompts): each is a request in the ring.
 MAX_CHOICES = 128
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is there
 # The ring's error codes and the HTTP status each one is answered with.
-ERROR_STATUS = {"ring_down": 503, "rejected": 400, "bad_request": 400, "internal": 500}
+ERROR_STATUS = {
+    "ring_down": 503,
+    "overloaded": 503,  # the ring is re-forming and holds as many requests as it may
+    "rejected": 400,
+    "bad_request": 400,
+    "internal": 500,
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status)
+def error_body(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; `param` names the
+    request field at fault, where one is; `code` is the HTTP status (vLLM's)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, kind, param), status_code=status)
 
 
 # -- request bodies ----------------------------------------------------------------------------
@@ -126,36 +145,41 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
-def _unsupported(req: _Common) -> str | None:
-    """The first field set to something this engine cannot do, in a sentence; None if none."""
+def _unsupported(req: _Common) -> tuple[str, str] | None:
+    """The first field set to something this engine cannot do: (its name, why in a sentence);
+    None if none."""
     checks = [
-        (not 1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}]"),
+        (not 1 <= req.n <= MAX_CHOICES, "n", f"n must be in [1, {MAX_CHOICES}]"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
             (
                 req.echo and req.logprobs is not None,
+                "echo",
                 "echo with logprobs needs the prompt's logprobs, which are not computed here",
             ),
             (
                 req.best_of not in (None, req.n),
+                "best_of",
                 "best_of must equal n: choices are not ranked here",
             ),
-            (req.suffix is not None, "suffix is not supported"),
+            (req.suffix is not None, "suffix", "suffix is not supported"),
             (
                 req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS,
+                "logprobs",
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]",
             ),
         ]
     else:
         checks += [
-            (bool(req.tools), "tools are not supported"),
+            (bool(req.tools), "tools", "tools are not supported"),
             (
                 req.response_format not in (None, {"type": "text"}),
+                "response_format",
                 "response_format is not supported",
             ),
         ]
-    return next((why for bad, why in checks if bad), None)
+    return next(((param, why) for bad, param, why in checks if bad), None)
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -172,7 +196,7 @@ def build_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        answer = error_response(exc.status, exc.message, exc.kind)
+        answer = error_response(exc.status, exc.message, exc.kind, exc.param)
         if exc.status == 401:
             answer.headers["WWW-Authenticate"] = "Bearer"
         return answer
@@ -231,7 +255,9 @@ class OpenAIRoutes:
                 503, f"the ring is down: {self.frontend.ring_error}", "unavailable"
             )
         if not self.frontend.ring_ready.is_set():
-            return error_response(503, "the ring is starting", "unavailable")
+            starting = self.frontend.down_since is None
+            why = "the ring is starting" if starting else "the ring is re-forming"
+            return error_response(503, why, "unavailable")
         return Response(status_code=200)
 
     async def metrics_text(self) -> Response:
@@ -293,10 +319,10 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, req: _Common, gens: list[Generate], chat: bool):
         """Submit n choices of each prompt of `gens` (choice i: sample i % n of prompt i // n)
         and answer with all of them."""
-        if (why := _unsupported(req)) is not None:
-            raise ApiError(400, why)
-        if self.frontend.ring_error is not None or not self.frontend.ring_ready.is_set():
-            reason = self.frontend.ring_error or "the ring is starting"
+        if (unsupported := _unsupported(req)) is not None:
+            param, why = unsupported
+            raise ApiError(400, why, param=param)
+        if (reason := self._not_serving()) is not None:
             raise ApiError(503, f"not serving: {reason}", "unavailable")
         try:
             prompt_ids = [self.frontend.tokenize(gen) for gen in gens]
@@ -307,7 +333,7 @@ class OpenAIRoutes:
             ]
         except (ProtocolError, ValueError, TypeError) as exc:
             raise ApiError(400, _say(exc)) from None
-        answers: asyncio.Queue[tuple[int, Chunk | Done | Error]] = asyncio.Queue()
+        answers: asyncio.Queue[tuple[int, Chunk | Done | Error | None]] = asyncio.Queue()
         rids = [f"http/{uuid.uuid4().hex}" for _ in submitted]
         for index, (rid, gen) in enumerate(zip(rids, submitted)):
 
@@ -334,6 +360,17 @@ class OpenAIRoutes:
             stream = self._stream(rids, answers, shape)
             return StreamingResponse(stream, media_type="text/event-stream")
         return await self._whole(request, rids, answers, shape)
+
+    def _not_serving(self) -> str | None:
+        """Why a new request is refused (503) now; None: it is taken. A ring re-forming after a
+        stage died is not refusing: the frontend holds what comes until the new ring is ready
+        (up to its limit, then `overloaded`), for HTTP clients as for ZeroMQ ones; /health still
+        says 503 meanwhile, so a load balancer sends its traffic elsewhere."""
+        if self.frontend.ring_error is not None:
+            return self.frontend.ring_error
+        if not self.frontend.ring_ready.is_set() and self.frontend.down_since is None:
+            return "the ring is starting"
+        return None
 
     def _abort(self, rids: list[str]) -> None:
         for rid in rids:  # a finished one is no longer in flight: abort ignores it
@@ -396,26 +433,27 @@ class OpenAIRoutes:
     async def _whole(
         self, request: Request, rids: list[str], answers: asyncio.Queue, shape: AnswerShape
     ) -> Response:
-        """Collect every choice; a client that goes away meanwhile has its requests aborted,
-        and a choice the ring fails fails the answer (the others are aborted)."""
+        """Collect every choice; a client that goes away meanwhile has its requests aborted
+        at once (`_client_gone` says so on the queue), and a choice the ring fails fails the
+        answer (the others are aborted)."""
+        watch = asyncio.ensure_future(_client_gone(request, answers))
         try:
             while True:
-                try:
-                    index, msg = await asyncio.wait_for(answers.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self._abort(rids)
-                        return Response(status_code=499)
-                    continue
+                index, msg = await answers.get()
+                if msg is None:
+                    self._abort(rids)
+                    return Response(status_code=499)
                 if isinstance(msg, Error):
                     self._abort(rids)
-                    return _ring_error(msg)
+                    return error_response(*_ring_error(msg))
                 shape.add(index, msg)
                 if shape.all_done:
                     return JSONResponse(shape.whole())
         except asyncio.CancelledError:
             self._abort(rids)
             raise
+        finally:
+            watch.cancel()
 
     async def _stream(
         self, rids: list[str], answers: asyncio.Queue, shape: AnswerShape
@@ -426,9 +464,8 @@ class OpenAIRoutes:
                 yield _sse(event)
             while not shape.all_done:
                 index, msg = await answers.get()
-                if isinstance(msg, Error):
-                    body = {"message": msg.message, "type": msg.code, "param": None, "code": None}
-                    yield _sse({"error": body})
+                if isinstance(msg, Error):  # the shape of a whole answer's error, as an event
+                    yield _sse(error_body(*_ring_error(msg)))
                     break
                 shape.add(index, msg)
                 for event in shape.stream_events(index, msg):
@@ -441,6 +478,16 @@ class OpenAIRoutes:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+async def _client_gone(request: Request, answers: asyncio.Queue) -> None:
+    """Put (-1, None) on `answers` once the client has closed its connection. The body is read
+    already, so ASGI's next message is `http.disconnect`, whenever that comes. (Polling
+    `request.is_disconnected()` between answers missed it: a request whose tokens keep coming
+    never waited long enough to poll, and ran on to max_tokens for no one.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    answers.put_nowait((-1, None))
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -465,7 +512,7 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise ApiError(422, _say(exc)) from None
+        raise ApiError(422, _say(exc), param=_where(exc) or None) from None
 
 
 def _generate_from_tokenize_body(body: dict[str, Any]) -> Generate:
@@ -488,17 +535,24 @@ def _text_of(content: str | list[ChatContentPart]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-def _ring_error(msg: Error) -> JSONResponse:
+def _ring_error(msg: Error) -> tuple[int, str, str]:
+    """The HTTP status, message and OpenAI error type of an error from the frontend."""
     status = ERROR_STATUS.get(msg.code, 500)
-    kind = "unavailable" if status == 503 else "invalid_request_error"
-    return error_response(status, msg.message, kind)
+    if status == 503:
+        kind = "unavailable"
+    else:
+        kind = "invalid_request_error" if status < 500 else "internal_error"
+    return status, msg.message, kind
+
+
+def _where(exc: ValidationError) -> str:
+    """The field a validation error is about, dotted (`messages.0.role`); "" for the body."""
+    return ".".join(str(part) for part in exc.errors()[0]["loc"])
 
 
 def _say(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        return f"{where}: {first['msg']}"
+        return f"{_where(exc) or 'body'}: {exc.errors()[0]['msg']}"
     return str(exc)
 
 
