@@ -387,6 +387,19 @@ def api_before_ring(default_model, tmp_path):
         api.stop()
 
 
+def assert_new_requests_refused(client: openai.OpenAI, message: str) -> None:
+    """A whole completion and a streamed chat are both refused with 503 before admission."""
+    for call in (
+        lambda: client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=4),
+        lambda: client.chat.completions.create(
+            model="smol", messages=CHAT, max_tokens=4, stream=True
+        ),
+    ):
+        with pytest.raises(openai.InternalServerError) as caught:
+            call()
+        assert_unavailable(caught.value, message)
+
+
 @pytest.mark.timeout(180)
 def test_the_api_answers_503_until_its_ring_is_ready(api_before_ring):
     api = api_before_ring
@@ -395,15 +408,7 @@ def test_the_api_answers_503_until_its_ring_is_ready(api_before_ring):
     assert answer.json()["error"]["message"] == "the ring is starting"
     with openai_client(api.http_url) as client:
         assert [m.id for m in client.models.list().data] == ["smol"]  # what it will serve
-        for call in (
-            lambda: client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=4),
-            lambda: client.chat.completions.create(
-                model="smol", messages=CHAT, max_tokens=4, stream=True
-            ),
-        ):
-            with pytest.raises(openai.InternalServerError) as caught:
-                call()
-            assert_unavailable(caught.value, "not serving: the ring is starting")
+        assert_new_requests_refused(client, "not serving: the ring is starting")
         assert total(scrape(api.http_url), "ppring:prompt_tokens_total") == 0  # none admitted
         api.start_ring()
         wait_until(lambda: health(api.http_url).status_code == 200, 120, "the ring ready")
@@ -450,15 +455,7 @@ def test_a_ring_that_goes_down_fails_what_is_in_flight_and_refuses_what_comes(ap
         assert isinstance(whole.error, openai.InternalServerError), whole.error
         assert_unavailable(whole.error, "the ring went down")
         # And from now on: 503, before anything is admitted.
-        for call in (
-            lambda: client.completions.create(model="smol", prompt=PROMPTS[0], max_tokens=4),
-            lambda: client.chat.completions.create(
-                model="smol", messages=CHAT, max_tokens=4, stream=True
-            ),
-        ):
-            with pytest.raises(openai.InternalServerError) as caught:
-                call()
-            assert_unavailable(caught.value, "not serving: ")
+        assert_new_requests_refused(client, "not serving: ")
     answer = health(api.http_url)
     assert answer.status_code == 503
     assert answer.json()["error"]["message"].startswith("the ring is down: ")
