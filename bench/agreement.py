@@ -144,6 +144,48 @@ def text_windows(token_ids: list[int], windows: int, window_tokens: int) -> list
     return found
 
 
+def window_logits(runner: Any, window: list[int]) -> Any:
+    """fp32 logits [W - 1, V] of a one-stage `runner` over `window` (one prefill from position
+    0, KV blocks 0..): row p predicts token p + 1."""
+    from stages.batch import SeqChunk, blocks_needed
+
+    table = list(range(blocks_needed(len(window))))
+    logits = runner.forward_logits([SeqChunk(window, 0, table, sample=True)], all_rows=True)
+    return logits[:-1].float()
+
+
+def load_runner(
+    model_dir: Path, name: str, blocks: int, threads: int | None = None
+) -> tuple[Any, str]:
+    """A one-stage StageRunner holding every layer in configuration `name` (split_config), its
+    KV cache of `blocks` blocks allocated, and a clause saying what it runs."""
+    from stages.config import ModelConfig
+    from stages.dtype import resolve_dtype
+    from stages.kv_cache import bytes_per_block
+    from stages.linear import GRID_ACTIVATIONS_ENV
+    from stages.runner import StageRunner
+
+    config = ModelConfig.from_folder(model_dir)
+    dtype, quantization, activations = split_config(name)
+    resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
+    # read as the stage loads its matrices; the caller's setting is back after the load
+    with mock.patch.dict(os.environ, {GRID_ACTIVATIONS_ENV: activations}):
+        runner = StageRunner(
+            model_dir,
+            0,
+            config.num_layers,
+            kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved),
+            dtype=resolved,
+            num_threads=threads or os.cpu_count(),
+            quantization=quantization,
+        )
+    runner.allocate_kv(blocks)
+    what = f"{resolved}, weights {quantization}"
+    if resolved == "bfloat16" and quantization == "none":
+        what += f", grid activations {activations}"
+    return runner, what
+
+
 def perplexity(runner: Any, windows: list[list[int]]) -> dict:
     """exp(mean negative log-likelihood) of each window's tokens after its first, each window
     one prefill from position 0 (its logits for every row), and the share of positions whose
@@ -152,13 +194,9 @@ def perplexity(runner: Any, windows: list[list[int]]) -> dict:
 
     import torch
 
-    from stages.batch import SeqChunk, blocks_needed
-
     nll, hits, count = 0.0, 0, 0
     for window in windows:
-        table = list(range(blocks_needed(len(window))))
-        logits = runner.forward_logits([SeqChunk(window, 0, table, sample=True)], all_rows=True)
-        logits = logits[:-1].float()  # [W - 1, V]: row p predicts token p + 1
+        logits = window_logits(runner, window)  # [W - 1, V]: row p predicts token p + 1
         target = torch.tensor(window[1:])
         logprobs = torch.log_softmax(logits, dim=-1)
         nll -= float(logprobs[torch.arange(len(target)), target].sum())
@@ -188,13 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from launch.prepare_model import resolve_model
     from stages.batch import blocks_needed
-    from stages.config import ModelConfig
-    from stages.dtype import resolve_dtype
-    from stages.kv_cache import bytes_per_block
-    from stages.runner import StageRunner
 
     model_dir = Path(resolve_model(args.model))
-    config = ModelConfig.from_folder(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [
         tokenizer.apply_chat_template(
@@ -213,31 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     outputs: dict[str, list[list[int]]] = {}
     timings: dict[str, float] = {}
     scores: dict[str, dict] = {}
-    from stages.linear import GRID_ACTIVATIONS_ENV
-
     for name in [args.reference, *args.candidates]:
-        dtype, quantization, activations = split_config(name)
-        resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
-        # read as the stage loads its matrices; the caller's setting is back after the load
-        with mock.patch.dict(os.environ, {GRID_ACTIVATIONS_ENV: activations}):
-            runner = StageRunner(
-                model_dir,
-                0,
-                config.num_layers,
-                kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved),
-                dtype=resolved,
-                num_threads=args.threads or os.cpu_count(),
-                quantization=quantization,
-            )
-        runner.allocate_kv(blocks)
+        runner, what = load_runner(model_dir, name, blocks, args.threads)
         begin = time.perf_counter()
         outputs[name] = greedy(runner, prompts, args.new_tokens)
         timings[name] = time.perf_counter() - begin
         if windows is not None:  # the greedy runs are done with the cache: reuse its blocks
             scores[name] = perplexity(runner, windows)
         print(
-            f"  {name} ({resolved}, weights {quantization}, grid activations {activations}): "
-            f"{timings[name]:.1f} s",
+            f"  {name} ({what}): {timings[name]:.1f} s",
             flush=True,
         )
         del runner
