@@ -307,6 +307,12 @@ class AsyncClient(_ClientBase):
             queue = self._queues.get(getattr(msg, "rid", ""))
             if queue is not None:
                 queue.put_nowait(msg)
+            if not self.channel.pending:
+                # The frontend's message is handed out: its streams take it before the next
+                # is read. A recv with a message ready does not yield, so a client behind the
+                # frontend would hand out several steps' tokens in one turn (a burst, and a
+                # TPOT of 0 for whoever times them).
+                await asyncio.sleep(0)
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -333,6 +333,11 @@ class Frontend:
             elif isinstance(msg, Deltas):
                 for delta in msg.deltas:
                     await self._apply(delta)
+                # This step's answers leave now. Left to the end of the loop's turn, they
+                # would wait for every Deltas already queued behind it (a recv with a message
+                # ready does not yield): a frontend behind the ring sent a whole answer as one
+                # message, and its streams' TPOT read 0.
+                self._flush_outbox()
             elif isinstance(msg, RingReady):
                 self.num_kv_blocks = msg.num_kv_blocks
                 if self.down_since is not None:

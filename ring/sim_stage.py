@@ -2,19 +2,22 @@
 
 Its forward takes `t0_s + t_token_s * T` from `launch` (no CPU burned, like GPU kernels: the loop
 prepares the next step meanwhile and sleeps only when it must wait for the result), passes seam
-tensors of the configured width, and its last stage "samples" a token that depends
-only on (request seed, position), so a test knows every token each request must receive
-(`expected_token`); with `split_lm_head` the last stage sends those tokens as its share's best
-tokens and the first stage "samples" them from it. `sample_delay_s` models the last stage's
-straggler: the sampled tokens are ready that long after the forward ends, while the stage itself
-can already run the next batch (an asynchronous device-to-host copy); the loop waits for them
-only when it must send them.
+tensors of the configured width, and its last stage "samples" a token that depends on (request
+seed, position, the token fed at the position before), so a test knows every token each request
+must receive (`expected_tokens` chains `expected_token`) and a wrong token fed back round the
+ring changes every token after it. The fed token travels like a real model's input does: the
+first stage "embeds" each row's token id in column 0 of the seam, the stages between pass it on,
+and the last stage reads it there (a one-stage ring reads its own chunk). With `split_lm_head`
+the last stage sends its tokens as its share's best tokens and the first stage "samples" them
+from it. `sample_delay_s` models the last stage's straggler: the sampled tokens are ready that
+long after the forward ends, while the stage itself can already run the next batch (an
+asynchronous device-to-host copy); the loop waits for them only when it must send them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +30,34 @@ SIM_VOCAB = 50_000
 SIM_EOS = SIM_VOCAB  # outside the vocabulary: a simulated request stops by length or stop id
 
 
-def expected_token(seed: int, position: int) -> int:
-    """The token the simulated last stage samples at `position` (tokens before it)."""
+def expected_token(seed: int, position: int, previous: int) -> int:
+    """The token the simulated last stage samples at `position` (tokens before it) when the
+    token fed at `position - 1` was `previous`."""
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = (x ^ (previous * 0xD6E8FEB86659FD93)) & (2**64 - 1)
     x ^= x >> 31
     x = (x * 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 29
     return x % SIM_VOCAB
+
+
+def expected_tokens(
+    prompt_ids: Sequence[int],
+    seed: int,
+    max_new_tokens: int,
+    stop_token_ids: Collection[int] = (),
+) -> list[int]:
+    """Every token a simulated ring sends a request, each chained from the one before it: the
+    first from the prompt's last token, then each from the token sampled before it (the one the
+    ring fed back), until a stop id (included) or `max_new_tokens`."""
+    tokens: list[int] = []
+    previous = prompt_ids[-1]
+    for n in range(max_new_tokens):
+        previous = expected_token(seed, len(prompt_ids) + n, previous)
+        tokens.append(previous)
+        if previous in stop_token_ids:
+            break
+    return tokens
 
 
 @dataclass
@@ -139,23 +163,37 @@ class SimStage(Stage):
             if chunk.block_ids and max(chunk.block_ids) >= (self.allocated_blocks or 0):
                 raise ValueError(f"block table names block {max(chunk.block_ids)} beyond the pool")
         duration = self.t0_s + self.t_token_s * num_tokens if chunks else 0.0
-        forward = SimForward(self, started, started + duration, self._output(chunks, sampling))
+        forward = SimForward(
+            self, started, started + duration, self._output(chunks, hidden_states, sampling)
+        )
         return forward if self.overlap else FinishedStep(forward.wait(), not self.is_last_stage)
 
     def _output(
-        self, chunks: list[SeqChunk], sampling: Sequence[SamplingParams | None] | None
+        self,
+        chunks: list[SeqChunk],
+        hidden_states: torch.Tensor | None,
+        sampling: Sequence[SamplingParams | None] | None,
     ) -> StageOutput:
         num_tokens = sum(c.num_tokens for c in chunks)
+        # The token each row was fed: the first stage embeds its chunks', the others read the
+        # seam's column 0, where the first stage put them.
+        if self.is_first_stage:
+            fed = [t for chunk in chunks for t in chunk.token_ids]
+        else:
+            fed = hidden_states[:, 0].to(torch.int64).tolist()
         if not self.is_last_stage:
             # Fresh tensors every step: a buffer handed to ZeroMQ is never written again.
-            seam = torch.zeros(num_tokens, self.hidden_size)
+            seam = torch.zeros(num_tokens, self.hidden_size)  # [T, d] fp32: ids are exact
+            seam[:, 0] = torch.tensor(fed, dtype=seam.dtype)
             return Seam(hidden_states=seam, residual=seam.clone())
         tokens = []
+        row = 0
         for i, chunk in enumerate(chunks):
+            row += chunk.num_tokens
             if chunk.sample:
                 params = sampling[i] if sampling is not None else None
                 seed = params.seed if params is not None and params.seed is not None else 0
-                tokens.append(expected_token(seed, chunk.seq_len))
+                tokens.append(expected_token(seed, chunk.seq_len, fed[row - 1]))
         if self.split_lm_head:
             return LogitsShare(
                 hidden=torch.zeros(len(tokens), self.hidden_size),

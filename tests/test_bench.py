@@ -155,18 +155,49 @@ def test_a_one_token_request_has_no_tpot():
     assert only_one["tpot_p50_ms"] is None
 
 
+def ring_figures_miss(result: dict) -> list[str]:
+    """Where `ppring bench ring`'s figures leave the pipeline's analytic model (none: [])."""
+    misses = []
+    for r in result["efficiency"]:
+        # A filled ring (a micro-batch for every slot) sends one micro-batch a t0 at any S and
+        # depth: efficiency 1.0. A sleeping stage is only ever late, so that is a ceiling (the
+        # timer's overshoot each step pays back is < 0.3 ms of t0's 5 ms: 1.05). The floor:
+        # half of it, and at S=8 (threads sharing one interpreter lock: 0.64-0.71 measured on 2
+        # cores) twice what a ring running one micro-batch at a time could reach (1/S).
+        floor = min(0.5, 2 / r["pp_size"])
+        if not floor < r["efficiency"] <= 1.05:
+            misses.append(f"S={r['pp_size']} depth {r['depth']}: {r['efficiency']}")
+    # M < S micro-batches of S=4: efficiency M/S (the seed's load condition), taken relative to
+    # the filled ring's in the same table so the hops' cost cancels (within 4% measured).
+    idle = result["idle"]
+    full = idle[-1]
+    assert full["micro_batches"] == full["pp_size"] == 4
+    for r in idle:
+        predicted = r["micro_batches"] / r["pp_size"]
+        if r["efficiency"] / full["efficiency"] != pytest.approx(predicted, rel=0.15):
+            misses.append(f"M={r['micro_batches']}: {r['efficiency']} of {full['efficiency']}")
+    return misses
+
+
 @pytest.mark.timeout(180)
-def test_ring_bench_writes_its_json_and_png(tmp_path):
-    code = ring_bench.main(["--quick", "--threads", "--steps", "40", "--out", str(tmp_path)])
-    assert code == 0
-    result = json.loads((tmp_path / "bench_ring.json").read_text())
-    assert [(r["pp_size"], r["depth"]) for r in result["efficiency"]] == [
-        (s, d) for s in (1, 2, 4, 8) for d in (0, 1)
-    ]
-    assert all(0 < r["efficiency"] <= 1.2 for r in result["efficiency"])
-    assert [r["depth"] for r in result["async_depth"]] == [0, 1, 2, 3]
-    assert [r["seed_idle_fraction"] for r in result["idle"]] == [0.75, 0.5, 0.25, 0.0]
-    assert (tmp_path / "bench_ring.png").read_bytes()[:4] == b"\x89PNG"
+def test_ring_bench_writes_its_json_and_png_and_its_figures_follow_the_model(tmp_path):
+    # A loaded host makes a sleeping stage late, never early: a miss is measured again, and a
+    # ring that does not pipeline misses every time (as tests/ring/test_pipelining.py does).
+    for attempt in range(3):
+        out = tmp_path / f"attempt{attempt}"
+        code = ring_bench.main(["--quick", "--threads", "--steps", "40", "--out", str(out)])
+        assert code == 0
+        result = json.loads((out / "bench_ring.json").read_text())
+        assert [(r["pp_size"], r["depth"]) for r in result["efficiency"]] == [
+            (s, d) for s in (1, 2, 4, 8) for d in (0, 1)
+        ]
+        assert [r["depth"] for r in result["async_depth"]] == [0, 1, 2, 3]
+        assert [r["seed_idle_fraction"] for r in result["idle"]] == [0.75, 0.5, 0.25, 0.0]
+        assert (out / "bench_ring.png").read_bytes()[:4] == b"\x89PNG"
+        misses = ring_figures_miss(result)
+        if not misses:
+            break
+    assert not misses
 
 
 def test_bench_serve_warms_each_server_up_untimed_at_full_width():
@@ -216,10 +247,11 @@ def test_a_closed_loop_runs_every_request_asked_for_and_a_few_per_place_by_defau
 def test_agreement_configurations_name_dtype_weights_and_grid_activations():
     from bench.agreement import split_config
 
-    assert split_config("float32") == ("float32", "none", "int8")
-    assert split_config("int8") == ("auto", "int8", "int8")
-    assert split_config("bfloat16+int8") == ("bfloat16", "int8", "int8")
+    assert split_config("float32") == ("float32", "none", "int8x2")
+    assert split_config("int8") == ("auto", "int8", "int8x2")
+    assert split_config("bfloat16+int8") == ("bfloat16", "int8", "int8x2")
     assert split_config("bfloat16+exact") == ("bfloat16", "none", "bf16")
+    assert split_config("auto+a8") == ("auto", "none", "int8")
     assert split_config("exact+bfloat16") == ("bfloat16", "none", "bf16")
     for bad in ("float16", "bfloat16+float32", "bfloat16+exact+exact", "int4"):
         with pytest.raises(ValueError, match="not a configuration"):

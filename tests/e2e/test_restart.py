@@ -1,9 +1,10 @@
 """A stage that dies is restarted and its requests are replayed (launch/local.py `Restarter`,
 launch/frontend.py `reform`): clients see a pause, not an error.
 
-Simulated stages first (fast: their tokens are a known function of (seed, position), so an
-uninterrupted answer is computed, not run), then the default model at PP=3 against
-transformers' greedy tokens and against an uninterrupted ring's seeded samples."""
+Simulated stages first (fast: each token is a known function of (seed, position, the token fed
+before it), so an uninterrupted answer is computed, not run, and a token replayed wrong shows),
+then the default model at PP=3 against transformers' greedy tokens and against an uninterrupted
+ring's seeded samples."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from launch.client import AsyncClient, RequestError
 from launch.procs import ROOT
 from protocol.channels import PushChannel
 from protocol.messages import Proxy
-from ring.sim_stage import expected_token
+from ring.sim_stage import expected_tokens
 from tests.e2e.conftest import PROMPTS
 from tests.e2e.test_orphans import alive, children_of
 
@@ -62,8 +63,8 @@ async def stream_all(addr: str, requests: list[dict], kill=None, kill_after_toke
     return tokens, max(gaps)
 
 
-def sim_expected(prompt_len: int, seed: int, n: int) -> list[int]:
-    return [expected_token(seed, prompt_len + k) for k in range(n)]
+def sim_expected(prompt_ids: list[int], seed: int, n: int) -> list[int]:
+    return expected_tokens(prompt_ids, seed, n)
 
 
 @pytest.mark.timeout(300)
@@ -75,7 +76,7 @@ def test_a_killed_stage_is_restarted_and_every_stream_completes(start_local, tmp
     ]
     got, pause = asyncio.run(stream_all(server.addr, requests, lambda: kill_stage(server, 1)))
     for i, request in enumerate(requests):
-        assert got[i] == sim_expected(len(request["input_ids"]), i, 24), i  # none twice, none lost
+        assert got[i] == sim_expected(request["input_ids"], i, 24), i  # none twice, none lost
     log = server.log_text()
     assert "the ring is re-forming after: stage 1 exited with code -9" in log
     assert "the ring re-formed (epoch 1)" in log and "replaying 16 requests" in log
@@ -99,7 +100,7 @@ def test_a_killed_stage_is_restarted_and_every_stream_completes(start_local, tmp
         assert time.monotonic() < deadline, server.log_text()[-2000:]
         time.sleep(0.2)
     got, _ = asyncio.run(stream_all(server.addr, requests[:2]))  # and it serves on
-    assert got[0] == sim_expected(3, 0, 24)
+    assert got[0] == sim_expected(requests[0]["input_ids"], 0, 24)
 
 
 @pytest.mark.timeout(300)
@@ -204,7 +205,7 @@ def test_a_serve_node_started_again_by_hand_rejoins_and_requests_finish(nodes):
         stream_all(f"tcp://127.0.0.1:{port}", requests, kill_node1, kill_after_tokens=3)
     )
     for i, request in enumerate(requests):
-        assert got[i] == sim_expected(len(request["input_ids"]), i, 60), i
+        assert got[i] == sim_expected(request["input_ids"], i, 60), i
     print(f"pause seen by the clients: {pause:.1f} s")
     assert "ring epoch 1 formed" in nodes.text("n2")
     assert "the ring re-formed (epoch 1)" in nodes.text("n0")

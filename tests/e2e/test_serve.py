@@ -72,6 +72,54 @@ class Nodes:
                 proc.wait(10)
 
 
+PROBE = """
+import sys, time
+from launch.rendezvous import RendezvousError, register_round
+from protocol.curve import NodeKeys
+from protocol.messages import NodeHello
+rdv, rank, nnodes, timeout_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+# With --curve-dir, the rendezvous admits the ring's nodes only: ask with that rank's keys.
+security = NodeKeys.load(sys.argv[5], rank, nnodes).client_of(0) if sys.argv[5] else None
+# A hello for `rank` with a model no node loads: "already registered" once that rank's node
+# has registered; before, refused (the model differs: it registers nothing), or unanswered
+# while node 0's rendezvous is not up yet.
+probe = NodeHello(rank=rank, host="127.0.0.1", config_hash="no such model", partition=[],
+                  nnodes=nnodes, port=0, ring_flags={})
+deadline = time.monotonic() + timeout_s
+while True:
+    try:
+        register_round(f"tcp://{rdv}", probe, deadline_s=2, security=security)
+        sys.exit("the probe registered")
+    except RendezvousError as exc:
+        if f"rank {rank} is already registered" in str(exc):
+            sys.exit(0)
+        answer = str(exc)
+    if time.monotonic() > deadline:
+        sys.exit(f"rank {rank} did not register within {timeout_s:.0f} s: {answer}")
+    time.sleep(0.2)
+"""
+
+
+def wait_until_registered(
+    rdv: str,
+    rank: int,
+    nnodes: int,
+    netns: str | None = None,
+    curve_dir: Path | None = None,
+    timeout_s: float = 120,
+) -> None:
+    """Until node 0's rendezvous at `rdv` (HOST:PORT) holds `rank`, asked from `netns` (else
+    this host): a condition, where a sleep could let a later node win the race. Not for the
+    rank that completes the round: the next round, holding no rank yet, opens at once."""
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    argv = [sys.executable, "-c", PROBE, rdv, str(rank), str(nnodes), str(timeout_s)]
+    argv.append(str(curve_dir) if curve_dir else "")
+    probe = subprocess.run(
+        [*prefix, *argv], capture_output=True, text=True, env=ENV, timeout=timeout_s + 30
+    )
+    assert probe.returncode == 0, probe.stderr
+
+
 @pytest.fixture
 def nodes(tmp_path):
     group = Nodes(tmp_path)
@@ -85,7 +133,7 @@ def test_a_duplicate_rank_and_a_different_model_are_refused(nodes, default_model
     rdv = f"127.0.0.1:{port + 10}"
     node0 = nodes.start(serve_argv(0, 3, rdv, port, "--rendezvous-timeout", "60"), "n0")
     nodes.start(serve_argv(1, 3, rdv, port), "n1")
-    time.sleep(3)
+    wait_until_registered(rdv, 1, nnodes=3)  # so the duplicate is the second rank 1, not n1
     dup1 = nodes.start(serve_argv(1, 3, rdv, port), "dup1")
     dup0 = nodes.start(serve_argv(0, 3, rdv, port), "dup0")
     other = make_tiny_llama(tmp_path / "tiny", num_layers=6)
@@ -134,8 +182,10 @@ CAPTURE = """
 import socket, sys, time
 # Every frame on the bridge's ports, raw (AF_PACKET, ETH_P_ALL, no interface bound: all of
 # the hub's), until the stop file appears. (br0 itself sees only frames addressed to it.)
+# The ready file says it is capturing.
 sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))
 sock.settimeout(0.2)
+open(sys.argv[4], "w").close()
 deadline = time.monotonic() + float(sys.argv[3])
 with open(sys.argv[1], "wb") as out:
     while time.monotonic() < deadline:
@@ -170,19 +220,62 @@ print(json.dumps(out))
 """
 
 ROGUE_STAGE = """
-import sys, time
-from protocol.channels import PushChannel
-from protocol.curve import CurveClient, load_pair, load_public
+import sys, time, zmq
+from zmq.utils.monitor import recv_monitor_message
+from protocol.codec import encode
+from protocol.curve import CurveClient, load_pair, load_public, secure
 from protocol.messages import RingError
 addr, keys = sys.argv[1], sys.argv[2]
 # A well-formed ring error would take the ring down if anything let it in.
 stranger = CurveClient(load_pair(keys + "/../mallory/mallory.key_secret"),
                        load_public(keys + "/node1.key"))
+refused = {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}
 for security in (None, stranger):
-    link = PushChannel(addr, security=security)
-    link.send(RingError(rank=0, message="rogue stage says the ring is down"))
-    time.sleep(1.0)
+    link = zmq.Context.instance().socket(zmq.PUSH)
+    secure(link, security)
+    monitor = link.get_monitor_socket()  # before it connects: it sees every event
+    link.connect(addr)
+    link.send_multipart(encode(RingError(rank=0, message="rogue stage says the ring is down")))
+    deadline = time.monotonic() + 30
+    while True:  # until the stage has seen this peer and refused it
+        if not monitor.poll(max(deadline - time.monotonic(), 0) * 1000):
+            sys.exit("the stage never refused the rogue stage")
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            sys.exit("the rogue stage got in")
+        if event in refused:
+            break
+    link.disable_monitor()
+    monitor.close(0)
     link.close(0)
+"""
+
+
+KNOCKS = """
+import socket, sys, time
+# Stands in at node 0's rendezvous address until every other node has knocked there: each
+# connection is accepted and closed unanswered, so its ZeroMQ socket knocks again later, at
+# node 0 itself once that is up, with its hello still queued.
+host, port, want = sys.argv[1], int(sys.argv[2]), set(sys.argv[3].split(","))
+deadline = time.monotonic() + float(sys.argv[4])
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((host, port))
+server.listen(16)
+server.settimeout(0.2)
+print("listening", flush=True)
+seen = set()
+while not want <= seen:
+    if time.monotonic() > deadline:
+        sys.exit(f"only {sorted(seen)} of {sorted(want)} knocked")
+    try:
+        conn, (peer, _) = server.accept()
+    except socket.timeout:
+        continue
+    seen.add(peer)
+    conn.close()
+server.close()
 """
 
 
@@ -222,24 +315,48 @@ def test_three_hosts_serve_the_same_greedy_tokens(
     ring error that would take the ring down) are refused, and the ring serves on."""
     import json
 
-    from ring.sim_stage import expected_token
+    from ring.sim_stage import expected_tokens
 
     port = 31000
     rdv = f"198.18.0.1:{port + 20}"
     order = [0, 1, 2] if node0_first else [2, 1, 0]
-    secure = ["--curve-dir", str(curve_keys)] if curve else ["--stage-impl", "sim"]
-    for rank in order:
-        argv = serve_argv(rank, 3, rdv, port, "--host", f"198.18.0.{rank + 1}", *secure)
-        nodes.start(argv, f"n{rank}", prefix=["ip", "netns", "exec", three_hosts[rank]])
-        time.sleep(1.0)
+    # The default model in float32, as transformers' reference: `--dtype auto` is bf16 on a
+    # CPU with native bf16 (AMX), whose greedy tokens part from fp32's (at the 13th here).
+    secure = (
+        ["--curve-dir", str(curve_keys), "--dtype", "float32"] if curve else ["--stage-impl", "sim"]
+    )
+    knocks = None
+    if not node0_first:  # node 0 starts once the others are knocking at its rendezvous
+        knocks = subprocess.Popen(
+            ["ip", "netns", "exec", three_hosts[0], sys.executable, "-c", KNOCKS, "198.18.0.1",
+             str(port + 20), "198.18.0.2,198.18.0.3", "120"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert knocks.stdout.readline() == "listening\n"
+    try:
+        for rank in order:
+            if rank == 0 and knocks is not None:
+                assert knocks.wait(150) == 0
+            argv = serve_argv(rank, 3, rdv, port, "--host", f"198.18.0.{rank + 1}", *secure)
+            nodes.start(argv, f"n{rank}", prefix=["ip", "netns", "exec", three_hosts[rank]])
+            if node0_first and rank != order[-1]:  # registered before the next starts
+                keys = curve_keys if curve else None
+                wait_until_registered(rdv, rank, 3, netns=three_hosts[rank], curve_dir=keys)
+    finally:
+        if knocks is not None and knocks.poll() is None:
+            knocks.kill()
+            knocks.wait(10)
     nodes.wait_ready("n0")
-    capture, stop = tmp_path / "bridge.pcap", tmp_path / "stop"
+    capture, stop, ready = tmp_path / "bridge.pcap", tmp_path / "stop", tmp_path / "capturing"
     sniffer = subprocess.Popen(
         ["ip", "netns", "exec", three_hosts.hub, sys.executable, "-c", CAPTURE, str(capture),
-         str(stop), "400"],
+         str(stop), "400", str(ready)],
     )  # fmt: skip
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the capture runs before the client sends anything
+            assert time.monotonic() < deadline and sniffer.poll() is None, "no capture"
+            time.sleep(0.05)
         keys = str(curve_keys) if curve else ""
         client = _netns(three_hosts, 2, CLIENT, f"tcp://198.18.0.1:{port}",
                         json.dumps(PROMPTS[:3]), keys)  # fmt: skip
@@ -257,8 +374,7 @@ def test_three_hosts_serve_the_same_greedy_tokens(
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(default_model)
-        lengths = {p: len(tokenizer.encode(p)) for p in PROMPTS[:3]}
-        expected = {p: [expected_token(0, lengths[p] + k) for k in range(32)] for p in lengths}
+        expected = {p: expected_tokens(tokenizer.encode(p), 0, 32) for p in PROMPTS[:3]}
     for prompt in PROMPTS[:3]:
         assert got[prompt] == expected[prompt], prompt
     seen = capture.read_bytes()

@@ -186,9 +186,14 @@ def test_send_many_does_not_swallow_a_request_that_arrived_meanwhile():
             dealer.send(Ping(rid="first"))
             identity, _ = await asyncio.wait_for(router.recv(), 5)
             waiting = asyncio.ensure_future(router.recv())
-            await asyncio.sleep(0.05)  # the recv waits on the socket
+            await asyncio.sleep(0)  # one turn: the recv starts, finds nothing, waits on the socket
+            assert not waiting.done()
             dealer.send(Ping(rid="second"))
-            time.sleep(0.3)  # the loop is busy: the request arrives unseen
+            # The loop is busy (this coroutine does not yield) while the request arrives: wait
+            # for it on a plain handle of the same socket. Reading its events there takes the
+            # wake-up the loop would have seen, as a send does: only the send can wake the recv.
+            unseen = zmq.Socket.shadow(router.sock.underlying)
+            assert unseen.poll(5000, zmq.POLLIN), "the second request never arrived"
             router.send_many(identity, [Pong(rid="first")])
             _, msg = await asyncio.wait_for(waiting, 5)
             assert msg == Ping(rid="second")

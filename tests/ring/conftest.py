@@ -5,10 +5,11 @@ import random
 from dataclasses import dataclass
 
 from protocol.sampling import SamplingParams
+from ring import sim_stage
 from ring.config import RingConfig
 from ring.harness import ThreadRing
 from ring.loop import ModelInfo
-from ring.sim_stage import SimStage, expected_token
+from ring.sim_stage import SimStage
 
 _run_ids = itertools.count()
 
@@ -54,10 +55,7 @@ def random_requests(
 
 
 def expected_tokens(prompt: list[int], sampling: SamplingParams) -> list[int]:
-    tokens = []
-    for n in range(sampling.max_new_tokens):
-        token = expected_token(sampling.seed, len(prompt) + n)
-        tokens.append(token)
-        if token in sampling.stop_token_ids:
-            break
-    return tokens
+    """What a simulated ring sends the request: each token chained from the one fed before it."""
+    return sim_stage.expected_tokens(
+        prompt, sampling.seed, sampling.max_new_tokens, sampling.stop_token_ids
+    )

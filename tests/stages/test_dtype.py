@@ -123,3 +123,7 @@ def test_int8_weights_stay_close_to_transformers(tiny_dirs: dict[str, Path], mod
         expected = hf_logits(folder, seq)
         scale = expected.abs().max().item()
         assert (got - expected).abs().max().item() < 0.05 * scale
+        # Greedy picks the float model's token wherever it is not a near-tie: 28 to 30 of 30
+        # positions here (the misses: leads of 0.0002 and 0.0045 over the runner-up, under
+        # int8's error of ~0.007 on logits of ~0.6).
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.9

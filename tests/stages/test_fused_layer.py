@@ -81,10 +81,11 @@ def test_one_call_a_layer_computes_what_the_layer_calls_compute(
     tiny_dirs: dict[str, Path], grid_dir: Path, stage_kind: tuple[list[int], str, str]
 ) -> None:
     partition, dtype, quantization = stage_kind
-    # a bf16 grid stage's two ways: codes times int8 activations (the default), codes as bf16
+    # a bf16 grid stage's three ways: codes times int8 activations in two passes (the default)
+    # or one, codes as bf16
     runs = [(tiny_dirs["gqa"], None), (grid_dir, None)]
     if dtype == "bfloat16" and quantization == "none":
-        runs.append((grid_dir, "bf16"))
+        runs += [(grid_dir, "int8"), (grid_dir, "bf16")]
     for folder, activations in runs:
         with pytest.MonkeyPatch.context() as patch:
             if activations:
@@ -193,13 +194,25 @@ def test_a_stage_on_torch_ops_or_with_a_dense_matrix_keeps_the_layer_calls(
     assert fused_layer.FusedLayers.build(layers[:2], None, torch.float32) is None
 
 
-def test_the_matmuls_alone_run_and_a_kind_of_the_wrong_dtype_is_refused(
+def test_the_matmuls_alone_compute_the_layers_matmuls_and_a_wrong_dtype_is_refused(
     tiny_dirs: dict[str, Path],
 ) -> None:
     # bench step times a stage's matmuls through FusedLayers.matmuls
-    fused = Chain(tiny_dirs["gqa"], [4]).stages[0].model.fused
+    model = Chain(tiny_dirs["gqa"], [4]).stages[0].model
+    fused = model.fused
     assert fused is not None
-    fused.matmuls(3)()
+    rows = 3
+    run = fused.matmuls(rows)
+    x_hidden, x_attn, x_act, y = run.__defaults__[0]  # the buffers its kernels read and write
+    run()
+    # Each matmul writes y as [rows, N] from its start, the last layer's down_proj last: what
+    # the layer's own down_proj call computes from the same rows, bit for bit, and (other
+    # sums, fp32) what the checkpoint's matrix gives.
+    got = y.view(-1)[: rows * fused.hidden].view(rows, fused.hidden)
+    assert torch.equal(got, model.layers[-1].down_proj(x_act))
+    weight = load_file(tiny_dirs["gqa"] / "model.safetensors")
+    expected = x_act @ weight[f"model.layers.{len(model.layers) - 1}.mlp.down_proj.weight"].T
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     fused.dtype = torch.bfloat16  # fp32 panels called with bf16 rows: the C dispatch refuses
     with pytest.raises(RuntimeError, match="fused decoder layer failed"):
         fused.matmuls(3)()

@@ -71,12 +71,20 @@ def test_last_stage_samples_only_chunks_that_ask(tiny_dirs: dict[str, Path]) -> 
 def test_sampling_params_and_logprobs_reach_the_sampler(tiny_dirs: dict[str, Path]) -> None:
     chain = Chain(tiny_dirs["gqa"], [4])
     chunks = [SeqChunk([5, 6, 7], 0, [0], True), SeqChunk([9], 0, [1], True)]
+    sampled_rows = chain.logits(chunks)[[2, 3]]  # [2, V]: each chunk's last position
+    for stage in chain.stages:
+        stage.allocate_kv(stage.num_kv_blocks)  # fresh caches, same blocks
     params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(top_k=1)]
     out = chain.sample(
         chunks, sampling=params, histories=[History([5, 6, 7], []), History([9], [])]
     )
-    assert out.logprobs is not None and len(out.logprobs) == 2
-    assert all(lp <= 0.0 for lp in out.logprobs)
+    # Greedy, and top_k 1 at temperature 1: the best token of each row (a draw over all 256
+    # tokens of the tiny model would rarely be it).
+    best = sampled_rows.argmax(-1)
+    assert out.token_ids == best.tolist()
+    # Each chosen token's logprob under the raw model distribution.
+    expected = sampled_rows.log_softmax(-1).gather(1, best[:, None]).squeeze(1)
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-6)
 
 
 def test_seeded_request_same_tokens_alone_or_batched(tiny_dirs: dict[str, Path]) -> None:
