@@ -88,11 +88,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def split_config(config: str) -> tuple[str, str, str]:
-    """ "int8" -> ("auto", "int8", "int8"); "bfloat16+int8" -> ("bfloat16", "int8", "int8");
-    "float32" -> ("float32", "none", "int8"); "bfloat16+exact" -> ("bfloat16", "none", "bf16").
-    The last is how a bf16 stage multiplies GGUF codes (stages/linear.py grid_activations)."""
+    """ "int8" -> ("auto", "int8", "int8x2"); "bfloat16+int8" -> ("bfloat16", "int8", "int8x2");
+    "float32" -> ("float32", "none", "int8x2"); "bfloat16+exact" -> ("bfloat16", "none", "bf16");
+    "auto+a8" -> ("auto", "none", "int8"). The last is how a bf16 stage multiplies GGUF codes
+    (stages/linear.py grid_activations): `exact` decoded to bf16, `a8` times int8 activations in
+    one pass (llama.cpp's), else in two."""
     parts = config.split("+")
-    flags = [p for p in parts if p in ("int8", "exact")]
+    flags = [p for p in parts if p in ("int8", "exact", "a8")]
     dtypes = [p for p in parts if p not in flags]
     dtype = dtypes[0] if dtypes else "auto"
     quantization = "int8" if "int8" in flags else "none"
@@ -100,11 +102,13 @@ def split_config(config: str) -> tuple[str, str, str]:
         dtype not in ("auto", "float32", "bfloat16")
         or len(dtypes) > 1
         or len(set(flags)) != len(flags)
+        or ("exact" in flags and "a8" in flags)
     ):
         raise ValueError(
-            f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact"
+            f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact, D+a8"
         )
-    return dtype, quantization, "bf16" if "exact" in flags else "int8"
+    activations = "bf16" if "exact" in flags else "int8" if "a8" in flags else "int8x2"
+    return dtype, quantization, activations
 
 
 def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

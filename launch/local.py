@@ -230,10 +230,17 @@ def grid_weights_line(dtype: Any, quantization: str, kernels: Any) -> str | None
 
     if dtype != torch.bfloat16 or source_dtype(dtype, quantization, kernels) == dtype:
         return None
-    if bf16_grid_way(kernels) == "int8":
+    way = bf16_grid_way(kernels)
+    if way == "int8x2":
+        return (
+            "GGUF-grid weights: held as codes, multiplied by activations quantized to int8 per "
+            f"32 in two passes (bf16's accuracy; {GRID_ACTIVATIONS_ENV}=int8 for one pass, as "
+            "llama.cpp does, or bf16 for exact bf16 products)"
+        )
+    if way == "int8":
         return (
             "GGUF-grid weights: held as codes, multiplied by int8-quantized activations (per "
-            f"32, as llama.cpp does; {GRID_ACTIVATIONS_ENV}=bf16 for exact bf16 products)"
+            f"32, one pass, as llama.cpp does; {GRID_ACTIVATIONS_ENV}=int8x2 for bf16's accuracy)"
         )
     return "GGUF-grid weights: held as codes, decoded to exactly their bf16 values"
 

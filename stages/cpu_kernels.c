@@ -2661,11 +2661,25 @@ int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint
  * per block of 32 (dx = max |x| / 127, xq = round(x / dx)), and the codes multiply it in
  * integers, 64 products a vpdpbusd, summed exactly in int32 per block; the block's sum is then
  * scaled in fp32. For Q4_1, w = d q + m:
- *   sum_k w_k x_k ~ sum_blocks (d dx) * sum(q xq) + m * sum(x)
- * (sum(x) the block's exact fp32 sum of x, so the offset term carries no quantization); for
- * Q8_0, w = d q, the codes are stored as q + 128 (vpdpbusd takes one operand unsigned) and
- * 128 sum(xq) is taken back off the integer sum, which leaves sum(q xq) exactly. Each y is
- * rounded to bf16 once. Unlike ppr_linear_grid_bf16 the results are not bit for bit those of
+ *   sum_k w_k x_k ~ sum_blocks (d dx) * sum(q xq) + m * dx * sum(xq)
+ * the offset term over the quantized x too (llama.cpp's q8_1 keeps dx sum(xq)), so that x's
+ * rounding error e meets the weights as they are, sum (d q + m) e, centred on zero. (With the
+ * exact sum(x) there instead, e met d q alone, always positive: 2.2-2.5x the error of a matmul,
+ * and the default model's KL divergence from fp32 12.9x transformers-bf16's, not 3.6x.) For Q8_0, w = d q, the codes are stored as
+ * q + 128 (vpdpbusd takes one operand unsigned) and 128 sum(xq) is taken back off the integer
+ * sum, which leaves sum(q xq) exactly. Each y is rounded to bf16 once.
+ *
+ * One such pass leaves x ~8 bits a block, and a block holding one of the few large channels of
+ * a normed hidden state far fewer for the rest: the default model's KL divergence from fp32
+ * was 3.6x transformers-bf16's (bench quality, 8 windows: 0.0038 against 0.00107). So by default
+ * x is quantized in two passes (PPR_GRID_A8), the second over what the first missed (at most
+ * dx / 2 a value): x ~ dx1 xq1 + dx2 xq2, each pass a quantized row of its own, multiplied as
+ * any row is and summed before y is rounded: 0.96x transformers-bf16's KL divergence (4
+ * windows). The second pass doubles the integer work, which costs little where the weight
+ * stream binds and up to 2x where vpdpbusd does (all of SmolLM2's matmuls, random codes, 2
+ * threads, Xeon with AMX, 6 alternated rounds, medians, ms, one pass / two: 1 row 2.16 / 2.45,
+ * 4 rows 3.23 / 4.92, 32 rows 14.6 / 28.7, 64 rows 27.8 / 52.5). PPR_GRID_A8_1 is one pass,
+ * llama.cpp's, for those who trade that accuracy for the speed (PPRING_GRID_ACTIVATIONS=int8). Unlike ppr_linear_grid_bf16 the results are not bit for bit those of
  * the bf16 panels (x loses bits to the int8 grid), but a row's result still depends on that row
  * alone, whatever it is batched with, and the work per weight is a quarter: one vpdpbusd per 64
  * products where the bf16 decode spends eight vector operations per 32 weights before its
@@ -2681,27 +2695,46 @@ int ppr_unpack_grid_bf16(const uint8_t *codes, const uint16_t *scale, const uint
  *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), as GridPairs */
 #if defined(HAVE_BF16_DOT) && defined(__AVX512VNNI__)
 #define HAVE_A8_DOT
-#define A8_MR 4 /* rows per micro-kernel call: 4 x 2 panels x (int32 + fp32 sums) = 16 registers */
+#define A8_MR 4 /* quantized rows per micro-kernel call: 4 x 2 panels x (int32 + fp32 sums) = 16
+                  registers */
+#define A8_MAX_PASSES 2 /* quantized rows per row of x at most (a8_quantize_row) */
 
-/* one row of x [K] bf16 -> xq [K] int8 and, per block of 32, dx, sum(x) and sum(xq) */
-static void a8_quantize_row(const uint16_t *x, int K, int8_t *xq, float *dx, float *sx,
-                            int32_t *sq) {
+/* One block of 32 values (lo, hi: its first and last 16) -> xq [32] int8: dx = max |x| / 127,
+ * xq = round(x / dx) (nearest even); *dx, *sx = dx sum(xq) and *sq = sum(xq) set, and lo, hi
+ * left holding what xq misses, x - dx xq (at most dx / 2 a value). */
+static inline void a8_quantize_block(__m512 *lo, __m512 *hi, int8_t *xq, float *dx, float *sx,
+                                     int32_t *sq) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(*lo), _mm512_abs_ps(*hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(*lo, inv)); /* nearest even */
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(*hi, inv));
+    _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qlo)); /* |x / dx| <= 127 */
+    _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qhi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    const float d = amax / 127.0f;
+    *dx = d, *sq = sum, *sx = d * (float)sum;
+    const __m512 vd = _mm512_set1_ps(d);
+    *lo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, *lo);
+    *hi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, *hi);
+}
+
+/* One row of x [K] bf16 -> `passes` (1 or 2) rows of int8, x ~ dx1 xq1 (+ dx2 xq2) per block
+ * of 32: the first pass quantizes x, the second what the first missed. Into xq [passes, K] (rows
+ * `row_stride` apart) and, per pass and block, dx, dx sum(xq) and sum(xq) ([passes, K / 32]
+ * each, rows `block_stride` apart). */
+static void a8_quantize_row(const uint16_t *x, int K, int passes, int8_t *xq, int64_t row_stride,
+                            float *dx, float *sx, int32_t *sq, int64_t block_stride) {
     for (int b = 0; b < K / GRID_BLOCK; b++) {
         const __m512i raw = _mm512_loadu_si512(x + (int64_t)b * GRID_BLOCK); /* 32 bf16 */
-        const __m512 lo = _mm512_castsi512_ps(
+        __m512 lo = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
-        const __m512 hi = _mm512_castsi512_ps(
+        __m512 hi = _mm512_castsi512_ps(
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)); /* nearest even */
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-        _mm_storeu_si128((__m128i *)(xq + (int64_t)b * GRID_BLOCK), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(xq + (int64_t)b * GRID_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
-        sq[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        dx[b] = amax / 127.0f;
+        for (int pass = 0; pass < passes; pass++) {
+            const int64_t at = pass * block_stride + b;
+            a8_quantize_block(&lo, &hi, xq + pass * row_stride + (int64_t)b * GRID_BLOCK,
+                              dx + at, sx + at, sq + at);
+        }
     }
 }
 
@@ -2732,12 +2765,13 @@ static inline void a8_fetch_scales(const uint16_t *d, const uint16_t *m, int64_t
     }
 }
 
-/* Rows [0, MR) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). PF (a
+/* Quantized rows [0, MR) (MR / PASSES rows of y: PASSES quantized rows a row of x, summed at
+ * the end) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). PF (a
  * constant, so the other calls compile as if it were not there): the next unit's codes, at
  * `next` and `next + next_stride`, are fetched into L2 a line per line read here (a prefetch
  * past the end of the codes is harmless: prefetches do not fault). */
 static inline __attribute__((always_inline)) void a8_micro(
-    const int MR, const int PF, int bits, const int8_t *xq, const float *dx, const float *sx,
+    const int MR, const int PF, const int PASSES, int bits, const int8_t *xq, const float *dx, const float *sx,
     const int32_t *sq, const uint8_t *c0, const uint8_t *c1, const uint16_t *d0, const uint16_t *d1,
     const uint16_t *m0, const uint16_t *m1, uint16_t *y, int N, int K, int p0, int np,
     const uint8_t *next, int64_t next_stride) {
@@ -2804,7 +2838,10 @@ static inline __attribute__((always_inline)) void a8_micro(
             }
         }
     }
-    pb_store(MR, f, y, N, p0, np);
+    if (PASSES == 2) /* a row of x: its passes' rows summed */
+        for (int m = 0; m < MR / 2; m++)
+            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
+    pb_store(MR / PASSES, f, y, N, p0, np);
 }
 #endif
 
@@ -2866,22 +2903,27 @@ __attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
 }
 
 #ifdef HAVE_A8_DOT
-/* The quantized rows of one call: per row and block of 32, dx, sum(x) and sum(xq) ([M, K / 32]
- * each), then xq [M, K] int8, cut from one buffer of a8_scratch_bytes(M, K) (which grows with
- * K: a buffer for the largest K serves every smaller one). */
+/* The quantized rows of one call of M rows of x (`passes` quantized rows each: row
+ * passes m + pass): per quantized row and block of 32, dx, dx sum(xq) and sum(xq)
+ * ([passes M, K / 32] each), then xq [passes M, K] int8, cut from one buffer of
+ * a8_scratch_bytes(M, K) (which grows with K: a buffer for the largest K serves every smaller
+ * one, and holds A8_MAX_PASSES passes). */
 typedef struct {
     float *dx, *sx;
     int32_t *sq;
     int8_t *xq;
+    int passes;
 } A8Rows;
 
 static size_t a8_scratch_bytes(int M, int K) {
-    return (size_t)M * (K / GRID_BLOCK) * (sizeof(float) * 2 + sizeof(int32_t)) + (size_t)M * K;
+    const size_t rows = (size_t)A8_MAX_PASSES * M;
+    return rows * (K / GRID_BLOCK) * (sizeof(float) * 2 + sizeof(int32_t)) + rows * K;
 }
 
-static A8Rows a8_rows_at(char *scratch, int M, int K) {
-    const size_t per_block = (size_t)M * (K / GRID_BLOCK);
+static A8Rows a8_rows_at(char *scratch, int M, int K, int passes) {
+    const size_t per_block = (size_t)passes * M * (K / GRID_BLOCK);
     A8Rows r;
+    r.passes = passes;
     r.dx = (float *)scratch;
     r.sx = r.dx + per_block;
     r.sq = (int32_t *)(r.sx + per_block);
@@ -2889,11 +2931,12 @@ static A8Rows a8_rows_at(char *scratch, int M, int K) {
     return r;
 }
 
-/* row m of x [., K] bf16 quantized into row m of r */
+/* row m of x [., K] bf16 quantized into rows r.passes m, ... of r */
 static inline void a8_quantize_into(const uint16_t *x, int m, int K, A8Rows r) {
     const int KB = K / GRID_BLOCK;
-    a8_quantize_row(x + (int64_t)m * K, K, r.xq + (int64_t)m * K, r.dx + (int64_t)m * KB,
-                    r.sx + (int64_t)m * KB, r.sq + (int64_t)m * KB);
+    const int64_t q = (int64_t)r.passes * m;
+    a8_quantize_row(x + (int64_t)m * K, K, r.passes, r.xq + q * K, K, r.dx + q * KB,
+                    r.sx + q * KB, r.sq + q * KB, KB);
 }
 
 /* x [M, K] bf16 quantized into r, the rows shared by the team this runs in (orphaned) */
@@ -2919,13 +2962,14 @@ static void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
         if (M < 8 && u + 1 < num_units) /* the next unit's scales (and offsets) */
             a8_fetch_scales(d0 + 2 * panel_scales, m0 ? m0 + 2 * panel_scales : NULL,
                             2 * panel_scales * (int64_t)sizeof(uint16_t));
-        for (int r = 0; r < M; r += A8_MR) {
+        const int passes = rows.passes, quantized = passes * M;
+        for (int r = 0; r < quantized; r += A8_MR) {
             const int8_t *xr = rows.xq + (int64_t)r * K;
             const float *dr = rows.dx + (int64_t)r * KB, *sr = rows.sx + (int64_t)r * KB;
             const int32_t *qr = rows.sq + (int64_t)r * KB;
-            uint16_t *yr = y + (int64_t)r * N;
-#define A8_CALL(MR, PF)                                                                         \
-    a8_micro(MR, PF, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np,              \
+            uint16_t *yr = y + (int64_t)(r / passes) * N;
+#define A8_CALL(MR, PF, PASSES)                                                                 \
+    a8_micro(MR, PF, PASSES, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np,      \
              c0 + 2 * panel_codes, panel_codes)
             /* the first rows fetch the next unit: all of SmolLM2's matmuls, 2 threads, 15
              * alternated rounds, medians, ms: 1 row 4.0-4.8 -> 3.3-4.1, 4 rows 5.6 -> 4.3, 16
@@ -2933,15 +2977,20 @@ static void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
              * 17.2. With `next` a runtime pointer instead of PF, the compiler versioned the
              * loops and 128 rows lost 8-12%. */
             const int pf = r == 0 && u + 1 < num_units;
-            switch ((M - r < A8_MR ? M - r : A8_MR) + 4 * pf) {
-            case 1: A8_CALL(1, 0); break;
-            case 2: A8_CALL(2, 0); break;
-            case 3: A8_CALL(3, 0); break;
-            case 4: A8_CALL(4, 0); break;
-            case 5: A8_CALL(1, 1); break;
-            case 6: A8_CALL(2, 1); break;
-            case 7: A8_CALL(3, 1); break;
-            default: A8_CALL(4, 1); break;
+            const int mr = quantized - r < A8_MR ? quantized - r : A8_MR;
+            switch (passes == 2 ? 10 * mr + pf : mr + 4 * pf) {
+            case 1: A8_CALL(1, 0, 1); break;
+            case 2: A8_CALL(2, 0, 1); break;
+            case 3: A8_CALL(3, 0, 1); break;
+            case 4: A8_CALL(4, 0, 1); break;
+            case 5: A8_CALL(1, 1, 1); break;
+            case 6: A8_CALL(2, 1, 1); break;
+            case 7: A8_CALL(3, 1, 1); break;
+            case 8: A8_CALL(4, 1, 1); break;
+            case 20: A8_CALL(2, 0, 2); break; /* the last row of an odd M */
+            case 21: A8_CALL(2, 1, 2); break;
+            case 40: A8_CALL(4, 0, 2); break;
+            default: A8_CALL(4, 1, 2); break;
             }
 #undef A8_CALL
         }
@@ -2955,13 +3004,14 @@ static void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
  * Returns -1 without AVX512_BF16 and VNNI, for a K that is not a multiple of 32, or if the
  * quantized rows could not be allocated. */
 int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
-                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits,
+                       int passes) {
 #ifdef HAVE_A8_DOT
-    if (!a8_weight_ok(K, bits, offset)) return -1;
+    if (!a8_weight_ok(K, bits, offset) || passes < 1 || passes > A8_MAX_PASSES) return -1;
     if (M <= 0) return 0;
     char *scratch = malloc(a8_scratch_bytes(M, K));
     if (!scratch) return -1;
-    const A8Rows rows = a8_rows_at(scratch, M, K);
+    const A8Rows rows = a8_rows_at(scratch, M, K, passes);
 #pragma omp parallel
     {
         a8_quantize_rows(x, M, K, rows);
@@ -2971,7 +3021,7 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
     return 0;
 #else
     (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,
-        (void)bits;
+        (void)bits, (void)passes;
     return -1;
 #endif
 }
@@ -2985,8 +3035,11 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
 
 enum {
     PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6,
-    PPR_INT8_QUADS = 7
+    PPR_INT8_QUADS = 7, PPR_GRID_A8_1 = 8 /* PPR_GRID_A8 with one pass over x (a8_quantize_row) */
 };
+
+/* quantized rows per row of x for a grid-a8 kind */
+static inline int a8_passes(int kind) { return kind == PPR_GRID_A8_1 ? 1 : 2; }
 
 /* One weight matrix [N, K] as its module holds it. f32, bf16: a = panels; grid (and grid a8):
  * a = codes, b = scale, c = offset (NULL for Q8_0); int8 (rows or quads): a = the weight, b = its
@@ -3048,8 +3101,10 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
     case PPR_INT8_QUADS:
         return ppr_linear_int8_quads(elem_bytes, x, w->a, w->b, y, M, w->n, w->k);
     case PPR_GRID_A8:
+    case PPR_GRID_A8_1:
         if (elem_bytes != 2) return -1;
-        return ppr_linear_grid_a8(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits);
+        return ppr_linear_grid_a8(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits,
+                                  a8_passes(w->kind));
     }
     return -1;
 }
@@ -3114,13 +3169,15 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
  * (a barrier), then the units */
 static void a8_linear_in_team(const ppr_linear_t *w, const void *x, void *y, int M,
                               char *scratch) {
-    const A8Rows rows = a8_rows_at(scratch, M, w->k);
+    const A8Rows rows = a8_rows_at(scratch, M, w->k, a8_passes(w->kind));
     a8_quantize_rows(x, M, w->k, rows);
     a8_units(rows, w->a, w->b, w->c, y, M, w->n, w->k, w->bits);
 }
 
-static int a8_in_team_ok(const ppr_linear_t *w) {
-    return w->kind == PPR_GRID_A8 && a8_weight_ok(w->k, w->bits, w->c);
+/* a grid-a8 matrix of the stack's kind (every matrix of the stack quantizes its rows alike) */
+static int a8_in_team_ok(const ppr_linear_t *w, int kind) {
+    return (kind == PPR_GRID_A8 || kind == PPR_GRID_A8_1) && w->kind == kind &&
+           a8_weight_ok(w->k, w->bits, w->c);
 }
 
 /* Whether the stack runs in one team: bf16, every matrix grid-a8, and every layer's attention
@@ -3129,8 +3186,10 @@ static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *
     if (s->elem_bytes != 2 || s->num_tokens <= 0 || n <= 0) return 0;
     for (int i = 0; i < n; i++) {
         const ppr_layer_t *L = &layers[i];
-        if (!a8_in_team_ok(&L->qkv) || !a8_in_team_ok(&L->o) || !a8_in_team_ok(&L->gate_up) ||
-            !a8_in_team_ok(&L->down) || !attention_shapes_ok(2, L->num_heads, L->num_kv_heads))
+        const int kind = layers[0].qkv.kind;
+        if (!a8_in_team_ok(&L->qkv, kind) || !a8_in_team_ok(&L->o, kind) ||
+            !a8_in_team_ok(&L->gate_up, kind) || !a8_in_team_ok(&L->down, kind) ||
+            !attention_shapes_ok(2, L->num_heads, L->num_kv_heads))
             return 0;
         if (L->num_heads != layers[0].num_heads || L->num_kv_heads != layers[0].num_kv_heads ||
             L->head_dim != layers[0].head_dim)
@@ -3171,7 +3230,8 @@ static void decoder_layer_in_team(const ppr_layer_t *L, const ppr_step_t *s, con
                                   float *attention_scratch) {
     const int T = s->num_tokens, D = L->head_dim, d = L->hidden, I = L->intermediate;
     const int64_t qkv_row = (int64_t)(L->num_heads + 2 * L->num_kv_heads) * D;
-    const A8Rows x_rows = a8_rows_at(a8, T, d), act_rows = a8_rows_at(a8, T, I);
+    const int passes = a8_passes(L->qkv.kind); /* (stack_in_team_ok: every matrix's) */
+    const A8Rows x_rows = a8_rows_at(a8, T, d, passes), act_rows = a8_rows_at(a8, T, I, passes);
     norm_quantize_in_team(h_in, residual_in, L->input_norm, residual_out, s->x, T, d, L->eps,
                           x_rows);
     a8_units(x_rows, L->qkv.a, L->qkv.b, L->qkv.c, s->qkv, T, L->qkv.n, d, L->qkv.bits);

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel
 
 # cpu_kernels.c's enum of matrix kinds
-_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8, _INT8_QUADS = 1, 2, 3, 4, 5, 6, 7
+_F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8, _INT8_QUADS, _GRID_A8_1 = range(1, 9)
 
 
 class _Linear(ctypes.Structure):
@@ -144,6 +144,8 @@ def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
     kind = _KINDS.get((type(proj), dtype))
     if kind is None:
         return None
+    if kind == _GRID_A8 and proj.passes == 1:
+        kind = _GRID_A8_1
     n, k = proj.out_features, proj.in_features
     if kind in (_F32, _BF16):
         return _Linear(kind, n, k, 0, proj.panels.data_ptr(), None, None)

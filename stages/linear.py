@@ -31,7 +31,9 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   (`source_dtype`).
 - `GridA8Linear` (CPU, bf16, AVX512_BF16 and AVX512_VNNI; the default for a weight on a GGUF
   grid): the codes alone, times each row of x quantized to int8 per block of 32, summed in
-  integers (cpu_kernels.c ppr_linear_grid_a8), as llama.cpp multiplies Q4_1 and Q8_0. All of
+  integers (cpu_kernels.c ppr_linear_grid_a8), as llama.cpp multiplies Q4_1 and Q8_0, by
+  default in two passes over x (the second over what the first missed: bf16's accuracy, at up
+  to twice the integer work; `PPRING_GRID_ACTIVATIONS=int8` for one pass). One pass, all of
   SmolLM2's matmuls, 2 threads, Zen 4 EPYC, 9 alternated rounds, medians, ms, against the bf16
   panels: 1 row 3.7 / 8.9, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88 (one
   thread, 16 rows, 21.2 / 23.5). Not the panels' results bit for bit (x keeps ~8 bits a block;
@@ -285,8 +287,9 @@ def _grid_bf16_linear(
 
 class GridA8Linear(_HeldAsCodes):
     """A bf16 weight whose fp32 source lies on a GGUF grid, held as its codes alone and
-    multiplied as llama.cpp multiplies them: each row of x quantized to int8 per block of 32,
-    the codes times it summed in integers (cpu_kernels.c ppr_linear_grid_a8). A quarter of
+    multiplied as llama.cpp multiplies them: each row of x quantized to int8 per block of 32
+    (by default in two passes, the second over what the first missed), the codes times it
+    summed in integers (cpu_kernels.c ppr_linear_grid_a8). One pass is a quarter of
     GridBf16Linear's work per weight at every row count, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes
     a weight, and no bf16 panels held: all of SmolLM2's matmuls, 2 threads, Zen 4 EPYC (random
     codes of its shapes against the bf16 panels, 9 alternated rounds, medians): 1 row 3.7 /
@@ -297,8 +300,12 @@ class GridA8Linear(_HeldAsCodes):
 
     grid: GridQuads
 
+    def __init__(self, grid: GridQuads, kernels: NativeKernels, passes: int = 2) -> None:
+        super().__init__(grid, kernels)
+        self.passes = passes  # int8 passes over each row of x: 2 (the default) or 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_grid_a8(x, self.grid)  # [T, K] -> [T, N]
+        return self.kernels.linear_grid_a8(x, self.grid, self.passes)  # [T, K] -> [T, N]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
@@ -316,37 +323,43 @@ class GridA8Linear(_HeldAsCodes):
         return self.rows(torch.arange(self.out_features))
 
 
-GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"  # "int8" (the default) or "bf16"
+GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"  # "int8x2" (the default), "int8" or "bf16"
+# GridA8Linear's passes over x for each way that multiplies the codes by int8 activations
+A8_PASSES = {"int8x2": 2, "int8": 1}
 
 
 def grid_activations() -> str:
-    """How a bf16 stage multiplies weights held as grid codes: "int8" (GridA8Linear) or "bf16"
-    (GridBf16Linear: the codes decoded to bf16, the same results as the bf16 panels)."""
-    value = os.environ.get(GRID_ACTIVATIONS_ENV, "int8").strip().lower()
-    if value not in ("int8", "bf16"):
+    """How a bf16 stage multiplies weights held as grid codes: "int8x2" (GridA8Linear, each row
+    of x quantized to int8 in two passes: the accuracy of bf16), "int8" (one pass, as llama.cpp
+    does: up to twice as fast where the matmuls bind, ~3.6x bf16's KL divergence from fp32) or
+    "bf16" (GridBf16Linear: the codes decoded to bf16, the same results as the bf16 panels)."""
+    value = os.environ.get(GRID_ACTIVATIONS_ENV, "int8x2").strip().lower()
+    if value not in ("int8x2", "int8", "bf16"):
         raise ConfigError(
-            f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8 (codes times int8 "
-            "activations, the default) or bf16 (codes decoded to bf16)"
+            f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8x2 (codes times int8 "
+            "activations in two passes, the default), int8 (one pass, as llama.cpp) or bf16 "
+            "(codes decoded to bf16)"
         )
     return value
 
 
 def bf16_grid_way(kernels: NativeKernels) -> str:
-    """How a bf16 stage over these kernels multiplies weights held as grid codes: "int8"
-    (GridA8Linear: needs VNNI, and PPRING_GRID_ACTIVATIONS not bf16) or "bf16"
+    """How a bf16 stage over these kernels multiplies weights held as grid codes: "int8x2" or
+    "int8" (GridA8Linear: needs VNNI) as PPRING_GRID_ACTIVATIONS says, else "bf16"
     (GridBf16Linear)."""
-    return "int8" if kernels.a8_dot and grid_activations() == "int8" else "bf16"
+    way = grid_activations()
+    return way if kernels.a8_dot and way in A8_PASSES else "bf16"
 
 
 def _grid_a8_linear(
-    found: grid.Found, weight: torch.Tensor, kernels: NativeKernels
+    found: grid.Found, weight: torch.Tensor, kernels: NativeKernels, passes: int
 ) -> GridA8Linear | None:
     """GridA8Linear for `weight` [N, K] (fp32, the checkpoint's values) and its codes, if they
     decode back to exactly the weight (else None)."""
     quads = grid.pack_quads(found, weight.shape[0])
     if not torch.equal(quad_rows(quads, torch.arange(weight.shape[0])), weight):
         return None
-    return GridA8Linear(quads, kernels)
+    return GridA8Linear(quads, kernels, passes)
 
 
 def grid_bf16_stage_linear(
@@ -357,8 +370,9 @@ def grid_bf16_stage_linear(
     found = _found_codes(weight, kernels)
     if found is None:
         return None
-    if bf16_grid_way(kernels) == "int8":
-        held = _grid_a8_linear(found, weight, kernels)
+    way = bf16_grid_way(kernels)
+    if way in A8_PASSES:
+        held = _grid_a8_linear(found, weight, kernels, A8_PASSES[way])
         if held is not None:
             return held
     return _grid_bf16_linear(found, weight, kernels)

@@ -109,7 +109,7 @@ class NativeKernels:
         # vpdpbusd as well: grid codes multiply int8-quantized activations (ppr_linear_grid_a8)
         self.a8_dot = bool(lib.ppr_has_a8_dot())
         lib.ppr_linear_grid_a8.restype = ctypes.c_int
-        lib.ppr_linear_grid_a8.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
+        lib.ppr_linear_grid_a8.argtypes = [_vp] * 5 + [ctypes.c_int] * 5
         lib.ppr_grid_a8_rows.restype = ctypes.c_int
         lib.ppr_grid_a8_rows.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_add_rms_norm.restype = None
@@ -425,9 +425,16 @@ class NativeKernels:
         )  # fmt: skip
 
     def _bf16_over_codes(
-        self, kernel, name: str, x: torch.Tensor, grid: GridPairs | GridQuads, refused: str
+        self,
+        kernel,
+        name: str,
+        x: torch.Tensor,
+        grid: GridPairs | GridQuads,
+        refused: str,
+        *more: int,
     ) -> torch.Tensor:
-        """x [M, K] bf16 @ W^T -> [M, N] bf16 through `kernel`, for W held as `grid`."""
+        """x [M, K] bf16 @ W^T -> [M, N] bf16 through `kernel`, for W held as `grid`; `more`:
+        the kernel's arguments after the shapes."""
         x = x.contiguous()
         m, k = x.shape
         if k != grid.in_features:  # the codes themselves were checked when they were made
@@ -436,7 +443,14 @@ class NativeKernels:
             raise ValueError(f"{name} takes bfloat16 x, got {x.dtype}")
         y = torch.empty(m, grid.out_features, dtype=torch.bfloat16)
         status = kernel(
-            x.data_ptr(), *_grid_pointers(grid), y.data_ptr(), m, grid.out_features, k, grid.bits
+            x.data_ptr(),
+            *_grid_pointers(grid),
+            y.data_ptr(),
+            m,
+            grid.out_features,
+            k,
+            grid.bits,
+            *more,
         )
         if status != 0:
             raise RuntimeError(f"{name} failed: {refused}")
@@ -453,13 +467,16 @@ class NativeKernels:
             raise RuntimeError("these kernels were built without AVX512_BF16")
         return panels
 
-    def linear_grid_a8(self, x: torch.Tensor, quads: GridQuads) -> torch.Tensor:
+    def linear_grid_a8(self, x: torch.Tensor, quads: GridQuads, passes: int = 2) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the int8-activation
-        layout (stages/grid.py GridQuads): each row of x quantized to int8 per block of 32, the
-        products summed in integers (cpu_kernels.c ppr_linear_grid_a8). Only where `a8_dot`."""
+        layout (stages/grid.py GridQuads): each row of x quantized to int8 per block of 32 in
+        `passes` passes (2: the second quantizes what the first missed), the products summed in
+        integers (cpu_kernels.c ppr_linear_grid_a8). Only where `a8_dot`."""
+        if passes not in (1, 2):
+            raise ValueError(f"linear_grid_a8 quantizes x in 1 or 2 passes, not {passes}")
         return self._bf16_over_codes(
             self._lib.ppr_linear_grid_a8, "linear_grid_a8", x, quads,
-            "kernels without AVX512_BF16 and VNNI, or no memory",
+            "kernels without AVX512_BF16 and VNNI, or no memory", passes,
         )  # fmt: skip
 
     def grid_a8_rows(self, quads: GridQuads, ids: torch.Tensor) -> torch.Tensor:

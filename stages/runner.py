@@ -645,9 +645,13 @@ def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
     rest = "" if len(grids) == total else ", the rest packed in panels"
     both = [m.code_rows for m in model.modules() if isinstance(m, GridBf16Linear)]
     if any(isinstance(m, GridA8Linear) for m in model.modules()):
+        passes = max(m.passes for m in model.modules() if isinstance(m, GridA8Linear))
         also = (
             ", multiplied by int8 activations (per 32, as llama.cpp does; "
             f"{GRID_ACTIVATIONS_ENV}=bf16 for the bf16 panels' results)"
+            if passes == 1
+            else ", multiplied by activations quantized to int8 per 32 in two passes (bf16's "
+            f"accuracy; {GRID_ACTIVATIONS_ENV}=int8 for one, as llama.cpp does)"
         )
     else:
         also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
