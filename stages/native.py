@@ -657,7 +657,7 @@ _BAD_INDEX = {
 }
 
 
-def check_status(status: int, what: str, rows: int | None = None, slots: int | None = None):
+def check_status(status: int, what: str, rows: int | None = None, slots: int | None = None) -> None:
     """Raise the one-sentence error for a kernel's PPR_BAD_* status; other statuses pass."""
     if status not in _BAD_INDEX:
         return
