@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import os
 from array import array
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -333,29 +332,35 @@ class FusedLayers:
             offset += size
         return buffer, addresses
 
-    def matmuls(self, rows: int) -> Callable[[], None]:
+    def matmuls(self, rows: int) -> MatmulPass:
         """A call that runs every layer's four matmuls alone at `rows` rows, as forward runs
-        them: what a step's compute floor counts (bench/step.py). Its inputs are random, made
-        here once; its outputs are dropped."""
-        heads = self.num_heads * self.head_dim
-        x_hidden, x_attn, x_act = (
-            torch.randn(rows, n).to(self.dtype) for n in (self.hidden, heads, self.intermediate)
+        them: what a step's compute floor counts (bench/step.py)."""
+        return MatmulPass(self, rows)
+
+
+class MatmulPass:
+    """Every layer's four matmuls of a FusedLayers alone at `rows` rows, each call. Its inputs
+    are random, made once: x_hidden [rows, d], x_attn [rows, H D], x_act [rows, I]; every
+    matmul writes y from its start as [rows, N] (the last: the last layer's down_proj, [rows,
+    d]). The kernels read and write these by address: they live as long as this."""
+
+    def __init__(self, fused: FusedLayers, rows: int) -> None:
+        dtype, heads = fused.dtype, fused.num_heads * fused.head_dim
+        self.x_hidden, self.x_attn, self.x_act = (
+            torch.randn(rows, n).to(dtype) for n in (fused.hidden, heads, fused.intermediate)
         )
-        widest = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        y = torch.empty(rows, max(widest, 2 * self.intermediate, self.hidden), dtype=self.dtype)
-        args = (
-            _ELEM_BYTES[self.dtype], rows, x_hidden.data_ptr(), x_attn.data_ptr(),
-            x_act.data_ptr(), y.data_ptr(),
+        widest = (fused.num_heads + 2 * fused.num_kv_heads) * fused.head_dim
+        self.y = torch.empty(rows, max(widest, 2 * fused.intermediate, fused.hidden), dtype=dtype)
+        self._args = (
+            _ELEM_BYTES[dtype], rows, self.x_hidden.data_ptr(), self.x_attn.data_ptr(),
+            self.x_act.data_ptr(), self.y.data_ptr(),
         )  # fmt: skip
+        self._call = fused._matmuls
+        self._layer_at = [ctypes.addressof(layer) for layer in fused._layers]
 
-        alive = (x_hidden, x_attn, x_act, y)  # the kernels read raw pointers into these
-        layer_at = [ctypes.addressof(layer) for layer in self._layers]
-
-        def run(_: tuple[torch.Tensor, ...] = alive) -> None:
-            for at in layer_at:
-                self._matmuls(at, *args)
-
-        return run
+    def __call__(self) -> None:
+        for at in self._layer_at:
+            self._call(at, *self._args)
 
 
 class GreedyHead:

@@ -203,7 +203,7 @@ def test_the_matmuls_alone_compute_the_layers_matmuls_and_a_wrong_dtype_is_refus
     assert fused is not None
     rows = 3
     run = fused.matmuls(rows)
-    x_hidden, x_attn, x_act, y = run.__defaults__[0]  # the buffers its kernels read and write
+    x_act, y = run.x_act, run.y  # buffers its kernels read and write
     run()
     # Each matmul writes y as [rows, N] from its start, the last layer's down_proj last: what
     # the layer's own down_proj call computes from the same rows, bit for bit, and (other
