@@ -103,7 +103,7 @@ class HfModel:
 class Tally:
     """Per-position scores of one configuration against the reference, over every window."""
 
-    kld: list[float] = field(default_factory=list)
+    kld: list[Any] = field(default_factory=list)  # [R] float64 tensors, a window's each
     same_top: int = 0
     nll: float = 0.0
     seconds: float = 0.0
@@ -111,23 +111,24 @@ class Tally:
     def add(self, ref_logits: Any, logits: Any, targets: Any) -> None:
         """ref_logits, logits [R, V] fp32 of the same R positions; targets [R] the next tokens."""
         kld, same, nll = compare_rows(ref_logits, logits, targets)
-        self.kld.extend(kld.tolist())
+        self.kld.append(kld)
         self.same_top += same
         self.nll += nll
 
     def summary(self, ref_perplexity: float | None) -> dict:
-        count = len(self.kld)
-        ordered = sorted(self.kld)
-        mean = sum(ordered) / count
-        spread = math.sqrt(sum((k - mean) ** 2 for k in ordered) / max(count - 1, 1))
+        import torch
+
+        kld = torch.cat(self.kld)  # [positions] float64
+        count = kld.numel()
+        spread = float(kld.std()) if count > 1 else 0.0
         share = self.same_top / count
         ppl = math.exp(self.nll / count)
         return {
-            "mean_kld": mean,
+            "mean_kld": float(kld.mean()),
             "mean_kld_stderr": spread / math.sqrt(count),
-            "median_kld": quantile(ordered, 0.5),
-            "p99_kld": quantile(ordered, 0.99),
-            "max_kld": ordered[-1],
+            "median_kld": float(kld.quantile(0.5)),  # linear interpolation, as numpy's
+            "p99_kld": float(kld.quantile(0.99)),
+            "max_kld": float(kld.max()),
             "top1_agreement": share,
             "top1_agreement_stderr": math.sqrt(share * (1 - share) / count),
             "perplexity": ppl,
@@ -152,14 +153,6 @@ def compare_rows(ref_logits: Any, logits: Any, targets: Any) -> tuple[Any, int, 
         rows = torch.arange(got.shape[0])
         nll -= float(got[rows, targets[at : at + KLD_ROWS]].sum())
     return torch.cat(klds), same, nll
-
-
-def quantile(ordered: list[float], q: float) -> float:
-    """The q-quantile of sorted values, linearly interpolated (numpy's default)."""
-    at = q * (len(ordered) - 1)
-    low = math.floor(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
 
 
 def load(model_dir: Path, name: str, blocks: int, threads: int | None) -> tuple[Any, str]:
