@@ -20,10 +20,13 @@ def test_a_base_port_lies_below_the_ephemeral_range_and_its_ports_are_free():
 
 
 def test_a_taken_port_is_never_in_the_range_returned(monkeypatch):
+    # Both ranges lie inside a block of 48 ports found free below the ephemeral range, where no
+    # outgoing connection of another test can take one (a port bound to 0 lies inside that
+    # range, and the 16 after it were once taken by a parallel test's connection).
+    block = procs.find_free_base_port(48)
+    draws = iter([block, block + 20])  # the first range holds the taken port, the second not
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        port = taken.getsockname()[1]
-        draws = iter([port - 3, port + 1])  # the first range holds the taken port
-        monkeypatch.setattr(procs.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        taken.bind(("127.0.0.1", block + 3))
         taken.listen()
-        assert procs.find_free_base_port(16) == port + 1
+        monkeypatch.setattr(procs.random.SystemRandom, "randrange", lambda self, a, b: next(draws))
+        assert procs.find_free_base_port(16) == block + 20
