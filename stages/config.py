@@ -13,8 +13,9 @@ from typing import Any
 
 from protocol.dtypes import dtype_bytes
 from stages.errors import ConfigError
+from stages.layer_spec import LayerSpec
+from stages.models import family_for
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # The dtypes a stage may compute in (protocol/dtypes.py holds their sizes).
@@ -51,6 +52,7 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str  # the checkpoint's dtype name ("bfloat16"), not the dtype a stage runs in
     architecture: str = "LlamaForCausalLM"
+    layer_spec: LayerSpec = LayerSpec()  # what its family's layers add to Llama's
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -72,20 +74,12 @@ class ModelConfig:
         generation: dict[str, Any] | None = None,
         source: str = "config.json",
     ) -> ModelConfig:
-        architecture = _check_architecture(raw, source)
+        architecture, family = family_for(raw, source)
         hidden_size = _get_int(raw, "hidden_size", source)
         num_heads = _get_int(raw, "num_attention_heads", source)
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         max_positions = _get_int(raw, "max_position_embeddings", source)
-        if architecture == "MistralForCausalLM":
-            window = raw.get("sliding_window")
-            if window is not None and window < max_positions:
-                raise ConfigError(
-                    f"{source} uses sliding-window attention (sliding_window={window} < "
-                    f"max_position_embeddings={max_positions}), which ppring does not implement; "
-                    "serve a model without a sliding window"
-                )
-        _check_unsupported(raw, source)
+        layer_spec = family.read_spec(raw, source)
         rope_theta, rope_scaling = _read_rope(raw, source)
         eos = None
         if generation is not None:
@@ -110,6 +104,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             architecture=architecture,
+            layer_spec=layer_spec,
         )
 
     @property
@@ -143,30 +138,6 @@ def read_config_json(config_path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_path} holds no JSON object; pass a model's config.json")
     return raw
-
-
-def _check_architecture(raw: dict[str, Any], source: str) -> str:
-    architectures = raw.get("architectures") or []
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    found = ", ".join(architectures) or f"model_type={raw.get('model_type')}"
-    raise ConfigError(
-        f"{source} is a {found} model but ppring serves only Llama-architecture models "
-        f"({', '.join(SUPPORTED_ARCHITECTURES)}); pass --model a Llama-family folder"
-    )
-
-
-def _check_unsupported(raw: dict[str, Any], source: str) -> None:
-    # Llama variants whose weights or math differ from what stages/llama.py implements.
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ConfigError(
-            f"{source} has bias terms (attention_bias/mlp_bias), which ppring does not "
-            "implement; serve a model without them"
-        )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{source} uses hidden_act={act}; ppring implements only silu (SwiGLU)")
 
 
 def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:

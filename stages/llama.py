@@ -91,11 +91,24 @@ class DecoderLayer(nn.Module):
             return weights.pop(prefix + name)
 
         self.ops = kind.ops
+        self.spec = spec = config.layer_spec
         self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.input_norm = _param(take("input_layernorm.weight"))  # [d]
         self.post_attn_norm = _param(take("post_attention_layernorm.weight"))  # [d]
+        # What the family adds to Llama's layer (stages/layer_spec.py); None where it does not.
+        self.qkv_bias: nn.Parameter | None = None  # [(h + 2 h_kv) d_head]
+        self.o_bias: nn.Parameter | None = None  # [d]
+        self.q_norm: nn.Parameter | None = None  # [d_head]
+        self.k_norm: nn.Parameter | None = None  # [d_head]
+        if spec.qkv_bias:
+            self.qkv_bias = _param(torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"]))
+        if spec.o_bias:
+            self.o_bias = _param(take("self_attn.o_proj.bias"))
+        if spec.qk_norm:
+            self.q_norm = _param(take("self_attn.q_norm.weight"))
+            self.k_norm = _param(take("self_attn.k_norm.weight"))
         # One [q+k+v] and one [gate+up] matmul: fewer calls (a GPU launch, or a kernel call on a
         # CPU), and the kernels read q, k, v and gate, up straight out of their outputs.
         qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(h+2h_kv)d, d]
@@ -121,11 +134,20 @@ class DecoderLayer(nn.Module):
         # (read-only); every later h is the previous layer's own output, free to overwrite.
         x, residual = self.ops.add_rms_norm(h, residual, self.input_norm, self.eps, layer > 0)
         kv_layer = kv.layer(layer)  # [2, slots, h_kv, d]
+        qkv = self.qkv_proj(x)  # [T, (h + 2 h_kv) d]
+        if self.qkv_bias is not None:
+            qkv = self.ops.add_bias(qkv, self.qkv_bias)
+        if self.q_norm is not None and self.k_norm is not None:
+            heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+            qkv = self.ops.rms_norm_heads(qkv, 0, heads, head_dim, self.q_norm, self.eps)
+            qkv = self.ops.rms_norm_heads(qkv, heads, kv_heads, head_dim, self.k_norm, self.eps)
         q = self.ops.rope_store(
-            self.qkv_proj(x), cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
+            qkv, cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
         )  # [T, h, d]; this step's K and V are now in the cache
         o = paged_attention(q, kv_layer, inputs)  # [T, h, d]
         h = self.o_proj(o.view(num_tokens, -1))  # [T, d]
+        if self.o_bias is not None:
+            h = self.ops.add_bias(h, self.o_bias)
         x, residual = self.ops.add_rms_norm(h, residual, self.post_attn_norm, self.eps, True)
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))), residual
 

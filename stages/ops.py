@@ -67,6 +67,27 @@ class TorchOps:
         store_kv(kv_layer, slot_mapping, k, v.view(num_tokens, num_kv_heads, head_dim))
         return q
 
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """y [T, N] (a matmul's own output) + bias [N], in place: one rounding in bf16, as
+        transformers' separate add."""
+        return y.add_(bias)
+
+    def rms_norm_heads(
+        self,
+        qkv: torch.Tensor,
+        first_head: int,
+        num_heads: int,
+        head_dim: int,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """qkv [T, W] with heads [first_head, first_head + num_heads) of head_dim each replaced,
+        in place, by their RMSNorm times weight [head_dim] (Qwen3's q and k norms)."""
+        lo, hi = first_head * head_dim, (first_head + num_heads) * head_dim
+        heads = qkv[:, lo:hi].unflatten(1, (num_heads, head_dim))  # [T, n, D]
+        qkv[:, lo:hi] = rms_norm(heads, weight, eps).flatten(1)
+        return qkv
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return F.silu(gate) * up
@@ -87,7 +108,24 @@ class NativeOps:
         self.rope_store = kernels.rope_store
         self.silu_mul = kernels.silu_mul
         self.row_argmax = kernels.row_argmax
+        self._kernels = kernels
         self._rope: RopeTable | None = None
+
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """TorchOps.add_bias in one kernel call (the same bits)."""
+        return self._kernels.add_bias(y, bias, bias.shape[0])
+
+    def rms_norm_heads(
+        self,
+        qkv: torch.Tensor,
+        first_head: int,
+        num_heads: int,
+        head_dim: int,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """TorchOps.rms_norm_heads in one kernel call (the bits of add_rms_norm on each head)."""
+        return self._kernels.rms_norm_heads(qkv, first_head, num_heads, head_dim, weight, eps)
 
     def rope_tables(
         self,

@@ -17,18 +17,6 @@ from safetensors import safe_open
 from stages.config import STAGE_DTYPES, ModelConfig
 from stages.errors import ConfigError
 
-# Names inside one decoder layer, relative to `model.layers.{i}.`.
-LAYER_TENSORS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
@@ -63,11 +51,12 @@ def stage_tensor_names(
     split). With tied embeddings the embedding is listed in place of lm_head, since that is what
     it reads."""
     names = []
+    layer_tensors = config.layer_spec.layer_tensors()  # the family's names in one layer
     is_last = end == config.num_layers
     if start == 0:
         names.append(EMBED)
     for layer in range(start, end):
-        names.extend(f"model.layers.{layer}.{suffix}" for suffix in LAYER_TENSORS)
+        names.extend(f"model.layers.{layer}.{suffix}" for suffix in layer_tensors)
     if is_last:
         names.append(FINAL_NORM)
     if is_last if lm_head is None else lm_head:

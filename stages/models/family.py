@@ -1,0 +1,44 @@
+"""A model family as the registry holds it: the architectures it answers to and how it reads
+its layer's spec out of a config.json. Torch-free (stages/config.py reads it at start-up)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stages.errors import ConfigError
+from stages.layer_spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as a user says it: "Qwen3"
+    architectures: tuple[str, ...]  # config.json `architectures` values it serves
+    # (config.json as a dict, the folder's name for messages) -> the spec, or one ConfigError
+    # naming what this family's folder asks for that ppring does not implement
+    read_spec: Callable[[dict[str, Any], str], LayerSpec]
+
+
+def check_swiglu(raw: dict[str, Any], source: str) -> None:
+    """Every family here has a SwiGLU MLP without bias."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source} uses hidden_act={act}; ppring implements only silu (SwiGLU)")
+    if raw.get("mlp_bias"):
+        raise ConfigError(
+            f"{source} has bias terms (mlp_bias), which ppring does not implement; serve a "
+            "model without them"
+        )
+
+
+def check_full_attention(raw: dict[str, Any], source: str) -> None:
+    """Qwen-style configs: a window only where `use_sliding_window` or `layer_types` asks."""
+    windowed = raw.get("use_sliding_window") or "sliding_attention" in (
+        raw.get("layer_types") or ()
+    )
+    if windowed:
+        raise ConfigError(
+            f"{source} uses sliding-window attention (use_sliding_window / layer_types), which "
+            "ppring does not implement; serve a model with full attention in every layer"
+        )
