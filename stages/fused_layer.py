@@ -74,6 +74,10 @@ class _Layer(ctypes.Structure):
         ("num_heads", ctypes.c_int32),
         ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32),
+        ("qkv_bias", ctypes.c_void_p),  # [(H + 2 Hkv) D] or NULL (Qwen2)
+        ("o_bias", ctypes.c_void_p),  # [d] or NULL
+        ("q_norm", ctypes.c_void_p),  # [D] or NULL: every q head's RMSNorm (Qwen3)
+        ("k_norm", ctypes.c_void_p),  # [D] or NULL: every k head's
     ]
 
 
@@ -110,14 +114,29 @@ def enabled() -> bool:
 
 
 def _check_mirrors(kernels: NativeKernels) -> None:
-    """The structs above mirror cpu_kernels.c's by hand: a field added on one side alone
-    would make C read every later field at the wrong offset, so their sizes must agree."""
-    ours = tuple(ctypes.sizeof(struct) for struct in (_Linear, _Layer, _Step))
+    """The structs above mirror the kernels' (stages/backend/cpu/csrc/ppring.h) by hand: a
+    field added, moved or retyped on one side alone would make C read that field or a later
+    one at the wrong offset, so their sizes and every field's offset must agree."""
+    mirrors = (_Linear, _Layer, _Step)
+    ours = tuple(ctypes.sizeof(struct) for struct in mirrors)
     if ours != kernels.struct_sizes:
         raise RuntimeError(
             f"stages/fused_layer.py's ctypes structs (sizes {ours}) do not match "
-            f"cpu_kernels.c's ({kernels.struct_sizes}): update them together"
+            f"ppring.h's ({kernels.struct_sizes}): update them together"
         )
+    c_names = ("ppr_linear_t", "ppr_layer_t", "ppr_step_t")
+    for struct, c_name, theirs in zip(mirrors, c_names, kernels.struct_offsets, strict=True):
+        names = [field[0] for field in struct._fields_]
+        offsets = [getattr(struct, name).offset for name in names]
+        for i in range(max(len(names), len(theirs))):
+            mine = offsets[i] if i < len(offsets) else None
+            their = theirs[i] if i < len(theirs) else None
+            if mine != their:
+                field = names[i] if i < len(names) else f"#{i} (none here)"
+                raise RuntimeError(
+                    f"stages/fused_layer.py's {struct.__name__} field {field} lies at offset "
+                    f"{mine}, ppring.h's {c_name} field {i} at {their}: update them together"
+                )
 
 
 # (module class, stage dtype) -> cpu_kernels.c's kind; int8 runs in either dtype
@@ -128,6 +147,10 @@ _KINDS = {
     (GridBf16Linear, torch.bfloat16): _GRID_BF16,
     (GridA8Linear, torch.bfloat16): _GRID_A8,
 }
+
+
+# a layer's optional tensors (stages/layer_spec.py), in _Layer's order
+_EXTRAS = ("qkv_bias", "o_bias", "q_norm", "k_norm")
 
 
 def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
@@ -187,6 +210,11 @@ class FusedLayers:
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
+                # what the family adds (stages/layer_spec.py); NULL where it does not
+                _address(layer.qkv_bias),
+                _address(layer.o_bias),
+                _address(layer.q_norm),
+                _address(layer.k_norm),
             )
             for layer, four in zip(layers, matrices, strict=True)
         ]
@@ -205,6 +233,9 @@ class FusedLayers:
         matrices = [[_linear(proj, dtype) for proj in _projections(layer)] for layer in layers]
         if any(spec is None for four in matrices for spec in four):
             return None
+        extras = [getattr(layer, n) for layer in layers for n in _EXTRAS]
+        if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in extras):
+            return None  # the kernels read them as raw rows in the stage dtype
         _check_mirrors(kernels)
         return cls(layers, matrices, kernels, dtype)
 

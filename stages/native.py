@@ -1,11 +1,13 @@
-"""ppring's CPU kernels (`cpu_kernels.c`), compiled once per machine and called through ctypes.
+"""ppring's CPU kernels (the C in `stages/backend/cpu/csrc/`), compiled once per machine and
+called through ctypes.
 
 Why C, and why built here: attention must read each sequence's K and V where the block table
 says they are, and torch has no op that walks a block table on the CPU. Gathering the context
 into a dense tensor for SDPA copied every sequence's K and V in every layer, which cost as much
 as the attention itself (PITFALLS.md). vLLM and SGLang ship compiled CPU kernels for this; a
 wheel of ours would have to match every CPU, so the source is compiled on first use with
-`-march=native` (about one second) into `$PPRING_CACHE/kernels/`, keyed by the source, the
+`-march=native` (a few seconds: every .c of that folder, in one compiler call, into one
+library) into `$PPRING_CACHE/kernels/`, keyed by the sources (every .c and .h there), the
 compiler and this CPU's feature flags, and reused afterwards.
 
 The kernels use OpenMP and link `libgomp.so.1` by soname; torch has already loaded its own
@@ -36,7 +38,10 @@ from stages.grid import GridCodes, GridPairs, GridQuads
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The kernels' C: one header (ppring.h) and a translation unit per concern (attention, each
+# matmul family, the small ops, the layer stack), compiled together into one library. A test
+# that builds a modified copy points SOURCE_DIR at its own folder (monkeypatch).
+SOURCE_DIR = Path(__file__).parent / "backend" / "cpu" / "csrc"
 DISABLE_ENV = "PPRING_NATIVE_KERNELS"  # "0": use the torch paths
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 # No -march: the compiler's baseline (x86-64 without AVX2 here), so the portable C paths run;
@@ -52,7 +57,7 @@ SANITIZE_CFLAGS = (
 COMPILE_TIMEOUT_S = 120
 
 _vp = ctypes.c_void_p
-PANEL = 16  # output channels per panel of a packed fp32 weight (cpu_kernels.c's PANEL)
+PANEL = 16  # output channels per panel of a packed fp32 weight (ppring.h's PANEL)
 
 
 class NativeKernels:
@@ -121,6 +126,11 @@ class NativeKernels:
             ctypes.c_int, _vp, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp, ctypes.c_int64,
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ]  # fmt: skip
+        lib.ppr_add_bias.restype = ctypes.c_int
+        lib.ppr_add_bias.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
+        lib.ppr_rms_norm_heads.restype = ctypes.c_int
+        lib.ppr_rms_norm_heads.argtypes = [ctypes.c_int, _vp, ctypes.c_int64] + [ctypes.c_int] * 3
+        lib.ppr_rms_norm_heads.argtypes += [_vp, ctypes.c_float, ctypes.c_int]
         lib.ppr_silu_mul.restype = None
         lib.ppr_silu_mul.argtypes = [ctypes.c_int, _vp, _vp, ctypes.c_int64, _vp] + [
             ctypes.c_int
@@ -140,6 +150,11 @@ class NativeKernels:
         # sizeof ppr_linear_t, ppr_layer_t, ppr_step_t: stages/fused_layer.py checks its
         # ctypes mirrors against them before it builds one
         self.struct_sizes = tuple(lib.ppr_struct_size(i) for i in range(3))
+        lib.ppr_struct_offset.restype = ctypes.c_int64
+        lib.ppr_struct_offset.argtypes = [ctypes.c_int] * 2
+        # and the offset of every field of each, in declaration order (a nested struct is one
+        # field): fused_layer.py checks its mirrors field by field too
+        self.struct_offsets = tuple(_field_offsets(lib, i) for i in range(3))
         lib.ppr_row_argmax.restype = None
         lib.ppr_row_argmax.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
         self._lib = lib
@@ -197,7 +212,7 @@ class NativeKernels:
         return out
 
     def kv_as_pairs(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether this build holds a cache of this dtype and head_dim as pairs (cpu_kernels.c
+        """Whether this build holds a cache of this dtype and head_dim as pairs (ppring.h
         kv_as_pairs: bf16 where vdpbf16ps runs attention). rope_store writes that layout and
         paged_attention reads it; nothing else reads a stage's cache."""
         if dtype not in _ELEM_BYTES:
@@ -471,7 +486,7 @@ class NativeKernels:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the int8-activation
         layout (stages/grid.py GridQuads): each row of x quantized to int8 per block of 32 in
         `passes` passes (2: the second quantizes what the first missed), the products summed in
-        integers (cpu_kernels.c ppr_linear_grid_a8). Only where `a8_dot`."""
+        integers (matmul_a8.c ppr_linear_grid_a8). Only where `a8_dot`."""
         if passes not in (1, 2):
             raise ValueError(f"linear_grid_a8 quantizes x in 1 or 2 passes, not {passes}")
         return self._bf16_over_codes(
@@ -589,6 +604,66 @@ class NativeKernels:
         )
         return out
 
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """y[:, :n] += bias[:n] in place and returns y: y [T, W] a tensor or a view whose rows
+        may be strided (a column block of a wider matmul output) but whose columns are not;
+        bias [>= n] contiguous, of y's dtype; n defaults to W. fp32 adds in fp32; bf16 rounds
+        each sum once, as torch's bf16 `y + b` (bit for bit)."""
+        if y.dim() != 2 or bias.dim() != 1:
+            raise ValueError("add_bias takes y [T, W] and a bias [N]")
+        _check(bias, y)
+        if not y.is_cpu or (y.shape[1] > 1 and y.stride(1) != 1):
+            raise ValueError("add_bias takes a CPU y whose rows each lie contiguous")
+        num_rows, width = y.shape
+        n = width if n is None else n
+        if not 0 <= n <= min(width, bias.shape[0]):
+            raise ValueError(f"add_bias: {n} columns do not fit y's {width} or the bias's "
+                             f"{bias.shape[0]}")  # fmt: skip
+        if num_rows and n:
+            status = self._lib.ppr_add_bias(
+                _ELEM_BYTES[y.dtype], y.data_ptr(), y.stride(0), bias.data_ptr(), num_rows, n
+            )
+            check_status(status, "add_bias", num_rows)
+            if status != 0:
+                raise RuntimeError(f"add_bias refused {y.dtype}")
+        return y
+
+    def rms_norm_heads(
+        self,
+        qkv: torch.Tensor,
+        first_head: int,
+        num_heads: int,
+        head_dim: int,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """The RMSNorm of heads [first_head, first_head + num_heads) of every row of qkv [T, W]
+        (contiguous; head h at columns [h D, h D + D)), times weight [D], in place; returns qkv.
+        Each head's arithmetic is add_rms_norm's over that head as a row with no residual, to
+        the bit (Qwen3's q heads, then its k heads, before the rotary)."""
+        _check(qkv, qkv)
+        _check(weight, qkv)
+        if qkv.dim() != 2 or tuple(weight.shape) != (head_dim,):
+            raise ValueError(f"rms_norm_heads takes qkv [T, W] and a weight [{head_dim}]")
+        num_rows, width = qkv.shape
+        if (
+            min(first_head, num_heads) < 0
+            or head_dim < 1
+            or (first_head + num_heads) * head_dim > width
+        ):
+            raise ValueError(
+                f"rms_norm_heads: heads [{first_head}, {first_head + num_heads}) of {head_dim} "
+                f"do not fit rows of {width}"
+            )
+        status = self._lib.ppr_rms_norm_heads(
+            _ELEM_BYTES[qkv.dtype], qkv.data_ptr(), width, first_head, num_heads, head_dim,
+            weight.data_ptr(), eps, num_rows,
+        )  # fmt: skip
+        check_status(status, "rms_norm_heads", num_rows)
+        if status != 0:
+            raise RuntimeError(f"rms_norm_heads refused {qkv.dtype}")
+        return qkv
+
     def decoder_layers(
         self, layers: int, num_layers: int, step: int, h_in: int, residual_in: int | None,
         residual_out: int, kv: int, kv_stride: int, h_out: int,
@@ -601,7 +676,7 @@ class NativeKernels:
         )
         check_status(status, "the fused decoder layers")
         if status != 0:
-            raise RuntimeError("a kernel of the fused decoder layer failed (see cpu_kernels.c)")
+            raise RuntimeError("a kernel of the fused decoder layer failed (see layers.c)")
 
     def layer_matmuls(
         self, layer: int, elem_bytes: int, rows: int, x_hidden: int, x_attn: int, x_act: int,
@@ -609,7 +684,7 @@ class NativeKernels:
     ) -> None:  # fmt: skip
         """The four matmuls of the layer struct at `layer`, alone (stages/fused_layer.py)."""
         if self._lib.ppr_layer_matmuls(layer, elem_bytes, rows, x_hidden, x_attn, x_act, y):
-            raise RuntimeError("a matmul of the fused decoder layer failed (see cpu_kernels.c)")
+            raise RuntimeError("a matmul of the fused decoder layer failed (see layers.c)")
 
     def greedy_head(
         self, head: int, elem_bytes: int, h: int, residual: int | None, norm_weight: int | None,
@@ -619,14 +694,14 @@ class NativeKernels:
     ) -> None:  # fmt: skip
         """A greedy finish of `rows` rows in one call over raw addresses (None: NULL): the
         lm_head's struct at `head` and the buffers stages/fused_layer.py GreedyHead lays out
-        for `max_rows` rows; cpu_kernels.c ppr_greedy_head says what each is."""
+        for `max_rows` rows; layers.c ppr_greedy_head says what each is."""
         status = self._lib.ppr_greedy_head(
             head, elem_bytes, h, residual, norm_weight, eps, rows, max_rows, hidden, scratch,
             x_out, token_base, out, best, their_best, their_token,
         )  # fmt: skip
         check_status(status, "the greedy lm_head", max_rows)
         if status != 0:
-            raise RuntimeError("the lm_head's kernel refused (see cpu_kernels.c)")
+            raise RuntimeError("the lm_head's kernel refused (see layers.c)")
 
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] fp32 or bf16 (rows may be strided) -> [N] int64: each row's first maximal
@@ -645,7 +720,7 @@ class NativeKernels:
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
-# cpu_kernels.c's PPR_BAD_*: what an index the caller passed lies outside of (the kernels check
+# ppring.h's PPR_BAD_*: what an index the caller passed lies outside of (the kernels check
 # before they write anything), raised as the torch path raises it: IndexError for an index,
 # ValueError for a count or range
 _BAD_INDEX = {
@@ -668,6 +743,14 @@ def check_status(status: int, what: str, rows: int | None = None, slots: int | N
         rows=f" {rows}" if rows is not None else "",
     )
     raise kind(f"{what}: {sentence}; nothing was written")
+
+
+def _field_offsets(lib: ctypes.CDLL, which: int) -> tuple[int, ...]:
+    """ppr_struct_offset's offsets of struct `which`, field after field until its -1."""
+    offsets: list[int] = []
+    while (offset := lib.ppr_struct_offset(which, len(offsets))) >= 0:
+        offsets.append(offset)
+    return tuple(offsets)
 
 
 def _grid_pointers(grid: GridCodes | GridPairs | GridQuads) -> tuple[int, int, int | None]:
@@ -703,7 +786,7 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple[NativeKernels
     reason = unavailable_reason()
     if reason is not None:
         return None, f"they are not available: {reason}"
-    return kernels(), "paged attention, matmuls and small ops in stages/cpu_kernels.c"
+    return kernels(), "paged attention, matmuls and small ops in stages/backend/cpu/csrc"
 
 
 def unavailable_reason() -> str | None:
@@ -726,8 +809,15 @@ def _load() -> NativeKernels | str:
         return f"building them with {compiler} failed: {error}"
 
 
+def source_files() -> list[Path]:
+    """Every .c and .h of the kernels (SOURCE_DIR), sorted by name: a build compiles the .c
+    files, and its cache key hashes all of them (an edit to the header rebuilds too)."""
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h") and p.is_file())
+
+
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    # each file's name and bytes: a file renamed, added or removed changes the key too
+    source = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in source_files())
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
     ).stdout.splitlines()[0]
@@ -744,15 +834,16 @@ def _build(compiler: str) -> Path:
 
 
 def compile_kernels(target: Path, compiler: str, cflags: tuple[str, ...] = CFLAGS) -> Path:
-    """Compile cpu_kernels.c into `target`. Stage processes starting together may all build:
-    each writes its own file and renames it into place, which is atomic, so a reader never
-    sees half a library."""
+    """Compile the kernels (every .c of SOURCE_DIR, in one compiler call) into the one library
+    `target`. Stage processes starting together may all build: each writes its own file and
+    renames it into place, which is atomic, so a reader never sees half a library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(handle)
+    sources = [str(p) for p in source_files() if p.suffix == ".c"]
     try:
         result = subprocess.run(
-            [compiler, *_flags(cflags), "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *_flags(cflags), "-o", partial, *sources, "-lm"],
             capture_output=True,
             text=True,
             timeout=COMPILE_TIMEOUT_S,

@@ -1,0 +1,303 @@
+/* bf16 matmuls over grid codes with int8-quantized activations (vpdpbusd, where the CPU has
+ * AVX512_BF16 and AVX512_VNNI): ppr_linear_grid_a8, and ppr_grid_a8_rows. */
+#include "ppring.h"
+
+/* ---- grid codes x int8 activations (vpdpbusd) ----
+ *
+ * What llama.cpp does for its Q4_1 and Q8_0 matmuls on a CPU: each row of x is quantized to int8
+ * per block of 32 (dx = max |x| / 127, xq = round(x / dx)), and the codes multiply it in
+ * integers, 64 products a vpdpbusd, summed exactly in int32 per block; the block's sum is then
+ * scaled in fp32. For Q4_1, w = d q + m:
+ *   sum_k w_k x_k ~ sum_blocks (d dx) * sum(q xq) + m * dx * sum(xq)
+ * the offset term over the quantized x too (llama.cpp's q8_1 keeps dx sum(xq)), so that x's
+ * rounding error e meets the weights as they are, sum (d q + m) e, centred on zero. (With the
+ * exact sum(x) there instead, e met d q alone, always positive: 2.2-2.5x the error of a matmul,
+ * and the default model's KL divergence from fp32 12.9x transformers-bf16's, not 3.6x.) For Q8_0, w = d q, the codes are stored as
+ * q + 128 (vpdpbusd takes one operand unsigned) and 128 sum(xq) is taken back off the integer
+ * sum, which leaves sum(q xq) exactly. Each y is rounded to bf16 once.
+ *
+ * One such pass leaves x ~8 bits a block, and a block holding one of the few large channels of
+ * a normed hidden state far fewer for the rest: the default model's KL divergence from fp32
+ * was 3.6x transformers-bf16's (bench quality, 8 windows: 0.0038 against 0.00107). So by default
+ * x is quantized in two passes (PPR_GRID_A8), the second over what the first missed (at most
+ * dx / 2 a value): x ~ dx1 xq1 + dx2 xq2, each pass a quantized row of its own, multiplied as
+ * any row is and summed before y is rounded: 0.96x transformers-bf16's KL divergence (4
+ * windows). The second pass doubles the integer work, which costs little where the weight
+ * stream binds and up to 2x where vpdpbusd does (all of SmolLM2's matmuls, random codes, 2
+ * threads, Xeon with AMX, 6 alternated rounds, medians, ms, one pass / two: 1 row 2.16 / 2.45,
+ * 4 rows 3.23 / 4.92, 32 rows 14.6 / 28.7, 64 rows 27.8 / 52.5). PPR_GRID_A8_1 is one pass,
+ * llama.cpp's, for those who trade that accuracy for the speed (PPRING_GRID_ACTIVATIONS=int8). Unlike ppr_linear_grid_bf16 the results are not bit for bit those of
+ * the bf16 panels (x loses bits to the int8 grid), but a row's result still depends on that row
+ * alone, whatever it is batched with, and the work per weight is a quarter: one vpdpbusd per 64
+ * products where the bf16 decode spends eight vector operations per 32 weights before its
+ * vdpbf16ps. All of SmolLM2's matmuls, 2 threads, Zen 4 EPYC, random codes of the same shapes,
+ * 9 alternated rounds, medians, against ppr_linear_bf16 over bf16 panels: 1 row 3.7 / 8.9 ms
+ * (codes at ~26 GB/s), 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88; one thread,
+ * 16 rows, 21.2 / 23.5.
+ *
+ * Layout, per panel of 16 output channels (P panels, K a multiple of 32), lanes = channels:
+ *   codes  Q4_1 [P, K / 8, 64] bytes: byte 4 c + j of group g = q[16p + c][8g + j]
+ *                                                             | q[16p + c][8g + 4 + j] << 4
+ *          Q8_0 [P, K / 4, 64] bytes: byte 4 c + j of group g = q[16p + c][4g + j] + 128
+ *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), as GridPairs */
+#ifdef HAVE_A8_DOT
+#define A8_MR 4 /* quantized rows per micro-kernel call: 4 x 2 panels x (int32 + fp32 sums) = 16
+                  registers */
+#define A8_MAX_PASSES 2 /* quantized rows per row of x at most (a8_quantize_row) */
+
+/* 16 fp16 numbers (a block's d or m for one panel's channels) as fp32 */
+static inline __m512 fp16x16_load(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* group g's line of both panels of the unit at `next` (panels `stride` bytes apart), into L2 */
+static inline __attribute__((always_inline)) void a8_fetch(const uint8_t *next, int64_t stride,
+                                                           int g) {
+    _mm_prefetch((const char *)(next + (int64_t)g * 64), _MM_HINT_T1);
+    _mm_prefetch((const char *)(next + stride + (int64_t)g * 64), _MM_HINT_T1);
+}
+
+/* the scales (and Q4_1 offsets) of the unit whose first scale is at `d` (`m`), `bytes` each,
+ * into L2, before the unit before it starts: the codes' prefetch (a8_fetch) leaves these to the
+ * hardware, whose streams restart at each unit. All of SmolLM2's matmuls, C harness, 2
+ * threads, alternated rounds, medians of this against none: 1 row 0.90-0.97x (4 runs), 4 rows
+ * 0.96x, 16 rows 0.97x, 32 rows 0.98x; one thread, 16 rows, 0.99x. In whole decode steps
+ * (StageRunner.run, 6 s each, alternated): 1 row 4.63 -> 4.49 ms (medians of 8, each pair
+ * faster), but 32 rows 37.0 -> 38.4 (5 of 8 pairs slower): so only below 8 rows, where the
+ * weight stream is the cost. */
+static inline void a8_fetch_scales(const uint16_t *d, const uint16_t *m, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch((const char *)d + b, _MM_HINT_T1);
+        if (m) _mm_prefetch((const char *)m + b, _MM_HINT_T1);
+    }
+}
+
+/* Quantized rows [0, MR) (MR / PASSES rows of y: PASSES quantized rows a row of x, summed at
+ * the end) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). PF (a
+ * constant, so the other calls compile as if it were not there): the next unit's codes, at
+ * `next` and `next + next_stride`, are fetched into L2 a line per line read here (a prefetch
+ * past the end of the codes is harmless: prefetches do not fault). */
+static inline __attribute__((always_inline)) void a8_micro(
+    const int MR, const int PF, const int PASSES, int bits, const int8_t *xq, const float *dx, const float *sx,
+    const int32_t *sq, const uint8_t *c0, const uint8_t *c1, const uint16_t *d0, const uint16_t *d1,
+    const uint16_t *m0, const uint16_t *m1, uint16_t *y, int N, int K, int p0, int np,
+    const uint8_t *next, int64_t next_stride) {
+    const int KB = K / GRID_BLOCK;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 f[A8_MR][2];
+    for (int m = 0; m < MR; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        __m512i a[A8_MR][2];
+        for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int o = 0; o < 4; o++) { /* group g holds 8 k */
+                const int g = 4 * kb + o;
+                if (PF) a8_fetch(next, next_stride, g);
+                const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
+                const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
+                const __m512i l0 = _mm512_and_si512(v0, nibble);
+                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+                const __m512i l1 = _mm512_and_si512(v1, nibble);
+                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+                for (int m = 0; m < MR; m++) {
+                    int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
+                    memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
+                    memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
+                    const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
+                    a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), h0, B);
+                    a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), h1, B);
+                }
+            }
+        } else {
+            for (int o = 0; o < 8; o++) { /* group g holds 4 k */
+                const int g = 8 * kb + o;
+                if (PF) a8_fetch(next, next_stride, g);
+                const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
+                const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
+                for (int m = 0; m < MR; m++) {
+                    int32_t xa;
+                    memcpy(&xa, xq + (int64_t)m * K + 4 * g, 4);
+                    const __m512i A = _mm512_set1_epi32(xa);
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, A);
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, A);
+                }
+            }
+        }
+        const __m512 s0 = fp16x16_load(d0 + kb * PANEL), s1 = fp16x16_load(d1 + kb * PANEL);
+        if (bits == 4) {
+            const __m512 o0 = fp16x16_load(m0 + kb * PANEL), o1 = fp16x16_load(m1 + kb * PANEL);
+            for (int m = 0; m < MR; m++) {
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                const __m512 rsx = _mm512_set1_ps(sx[m * KB + kb]);
+                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
+                                          _mm512_fmadd_ps(o0, rsx, f[m][0]));
+                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
+                                          _mm512_fmadd_ps(o1, rsx, f[m][1]));
+            }
+        } else {
+            for (int m = 0; m < MR; m++) {
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                const __m512i bias = _mm512_set1_epi32(128 * sq[m * KB + kb]);
+                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][0], bias)),
+                                          _mm512_mul_ps(s0, rdx), f[m][0]);
+                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][1], bias)),
+                                          _mm512_mul_ps(s1, rdx), f[m][1]);
+            }
+        }
+    }
+    if (PASSES == 2) /* a row of x: its passes' rows summed */
+        for (int m = 0; m < MR / 2; m++)
+            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
+    pb_store(MR / PASSES, f, y, N, p0, np);
+}
+#endif
+
+/* 1 where this build has ppr_linear_grid_a8 (AVX512_BF16 and AVX512_VNNI) */
+int ppr_has_a8_dot(void) {
+#ifdef HAVE_A8_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]: d * q,
+ * then + m (two fp32 roundings, as stages/grid.py quad_rows and the checkpoint's converter
+ * compute them: no FMA here), rounded to bf16. A tied lm_head's embedding lookup: the same as
+ * quad_rows(...).to(bfloat16), bit for bit, in about a microsecond a row instead of ~50 us of
+ * torch ops (a single stream's step spent that much on its one token). Returns -1 for an id
+ * outside [0, N), without AVX512_BF16 and VNNI, or for a K that is not a multiple of 32. */
+__attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
+    const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, const int64_t *ids,
+    uint16_t *out, int T, int N, int K, int bits) {
+#ifdef HAVE_A8_DOT
+    if (!a8_weight_ok(K, bits, offset)) return -1;
+    for (int t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    const int KB = K / GRID_BLOCK, per_group = bits == 4 ? 8 : 4;
+    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8;
+    for (int t = 0; t < T; t++) {
+        const int64_t p = ids[t] / PANEL;
+        const int c = (int)(ids[t] % PANEL);
+        const uint8_t *panel = codes + p * panel_codes;
+        for (int k = 0; k < K; k++) {
+            const int g = k / per_group, j = k % per_group;
+            const uint8_t byte = panel[(int64_t)g * 64 + 4 * c + j % 4];
+            const int q = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : (int)byte - 128;
+            const int64_t block = (p * KB + k / GRID_BLOCK) * PANEL + c;
+            float v = (float)q * _cvtsh_ss(scale[block]);
+            if (bits == 4) v = v + _cvtsh_ss(offset[block]);
+            out[(int64_t)t * K + k] = bf16_store(v);
+        }
+    }
+    return 0;
+#else
+    (void)codes, (void)scale, (void)offset, (void)ids, (void)out, (void)T, (void)N, (void)K,
+        (void)bits;
+    return -1;
+#endif
+}
+
+#ifdef HAVE_A8_DOT
+size_t a8_scratch_bytes(int M, int K) {
+    const size_t rows = (size_t)A8_MAX_PASSES * M;
+    return rows * (K / GRID_BLOCK) * (sizeof(float) * 2 + sizeof(int32_t)) + rows * K;
+}
+
+A8Rows a8_rows_at(char *scratch, int M, int K, int passes) {
+    const size_t per_block = (size_t)passes * M * (K / GRID_BLOCK);
+    A8Rows r;
+    r.passes = passes;
+    r.dx = (float *)scratch;
+    r.sx = r.dx + per_block;
+    r.sq = (int32_t *)(r.sx + per_block);
+    r.xq = (int8_t *)(r.sq + per_block);
+    return r;
+}
+
+/* x [M, K] bf16 quantized into r, the rows shared by the team this runs in (orphaned) */
+void a8_quantize_rows(const uint16_t *x, int M, int K, A8Rows r) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < M; m++) a8_quantize_into(x, m, K, r);
+}
+
+/* y [M, N] from the quantized rows r, the units of two panels shared by the team (orphaned) */
+void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
+              const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+    const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
+    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
+#pragma omp for schedule(guided, 2)
+    for (int u = 0; u < num_units; u++) {
+        const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
+        const uint8_t *c0 = codes + p0 * panel_codes;
+        const uint8_t *c1 = np > 1 ? c0 + panel_codes : c0;
+        const uint16_t *d0 = scale + p0 * panel_scales;
+        const uint16_t *d1 = np > 1 ? d0 + panel_scales : d0;
+        const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
+        const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
+        if (M < 8 && u + 1 < num_units) /* the next unit's scales (and offsets) */
+            a8_fetch_scales(d0 + 2 * panel_scales, m0 ? m0 + 2 * panel_scales : NULL,
+                            2 * panel_scales * (int64_t)sizeof(uint16_t));
+        const int passes = rows.passes, quantized = passes * M;
+        for (int r = 0; r < quantized; r += A8_MR) {
+            const int8_t *xr = rows.xq + (int64_t)r * K;
+            const float *dr = rows.dx + (int64_t)r * KB, *sr = rows.sx + (int64_t)r * KB;
+            const int32_t *qr = rows.sq + (int64_t)r * KB;
+            uint16_t *yr = y + (int64_t)(r / passes) * N;
+#define A8_CALL(MR, PF, PASSES)                                                                 \
+    a8_micro(MR, PF, PASSES, bits, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np,      \
+             c0 + 2 * panel_codes, panel_codes)
+            /* the first rows fetch the next unit: all of SmolLM2's matmuls, 2 threads, 15
+             * alternated rounds, medians, ms: 1 row 4.0-4.8 -> 3.3-4.1, 4 rows 5.6 -> 4.3, 16
+             * rows 10.6-11.0 -> 9.4-9.5, 32 21.7 -> 20.6, 128 level; one thread, 16 rows 21.1 ->
+             * 17.2. With `next` a runtime pointer instead of PF, the compiler versioned the
+             * loops and 128 rows lost 8-12%. */
+            const int pf = r == 0 && u + 1 < num_units;
+            const int mr = quantized - r < A8_MR ? quantized - r : A8_MR;
+            switch (passes == 2 ? 10 * mr + pf : mr + 4 * pf) {
+            case 1: A8_CALL(1, 0, 1); break;
+            case 2: A8_CALL(2, 0, 1); break;
+            case 3: A8_CALL(3, 0, 1); break;
+            case 4: A8_CALL(4, 0, 1); break;
+            case 5: A8_CALL(1, 1, 1); break;
+            case 6: A8_CALL(2, 1, 1); break;
+            case 7: A8_CALL(3, 1, 1); break;
+            case 8: A8_CALL(4, 1, 1); break;
+            case 20: A8_CALL(2, 0, 2); break; /* the last row of an odd M */
+            case 21: A8_CALL(2, 1, 2); break;
+            case 40: A8_CALL(4, 0, 2); break;
+            default: A8_CALL(4, 1, 2); break;
+            }
+#undef A8_CALL
+        }
+    }
+}
+#endif
+
+/* y[M, N] bf16 = x[M, K] bf16 @ W[N, K]^T for W held as grid codes in the layout above (bits 4
+ * or 8), x quantized to int8 per block of 32 first. Threads share the rows' quantization, then
+ * the units of two panels (each unit's rows A8_MR at a time, its codes reused from cache).
+ * Returns -1 without AVX512_BF16 and VNNI, for a K that is not a multiple of 32, or if the
+ * quantized rows could not be allocated. */
+int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
+                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits,
+                       int passes) {
+#ifdef HAVE_A8_DOT
+    if (!a8_weight_ok(K, bits, offset) || passes < 1 || passes > A8_MAX_PASSES) return -1;
+    if (M <= 0) return 0;
+    char *scratch = malloc(a8_scratch_bytes(M, K));
+    if (!scratch) return -1;
+    const A8Rows rows = a8_rows_at(scratch, M, K, passes);
+#pragma omp parallel
+    {
+        a8_quantize_rows(x, M, K, rows);
+        a8_units(rows, codes, scale, offset, y, M, N, K, bits);
+    }
+    free(scratch);
+    return 0;
+#else
+    (void)x, (void)codes, (void)scale, (void)offset, (void)y, (void)M, (void)N, (void)K,
+        (void)bits, (void)passes;
+    return -1;
+#endif
+}

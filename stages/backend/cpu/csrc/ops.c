@@ -1,0 +1,263 @@
+/* The small ops of a layer: RMSNorm (with the residual add), RoPE and the KV cache store,
+ * SiLU times up, a row's argmax, a matmul's bias and the per-head norms of q and k. */
+#include "ppring.h"
+
+/* ---- the small ops around the matmuls: one call each instead of five to ten torch ops ---- */
+
+/* ppr_add_rms_norm's rows, shared by the team this runs in (orphaned) */
+static void add_rms_norm_rows(int elem_bytes, const void *h, const void *residual,
+                              const void *weight, void *residual_out, void *x_out, int T, int d,
+                              float eps) {
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++)
+        add_rms_norm_row(elem_bytes, h, residual, weight, residual_out, x_out, t, d, eps);
+}
+
+void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const void *weight,
+                      void *residual_out, void *x_out, int T, int d, float eps) {
+#pragma omp parallel if (T >= 8)
+    add_rms_norm_rows(elem_bytes, h, residual, weight, residual_out, x_out, T, d, eps);
+}
+
+/* one bf16 head row x [D] rotated into o [D], rounded where transformers rounds in bf16: cos
+ * and sin, each product, the sum (rounding once instead sent greedy text elsewhere within 30
+ * tokens) */
+static inline void rope_row_bf16(const uint16_t *x, const float *c, const float *s, uint16_t *o,
+                                 int D) {
+    const int half = D / 2;
+    int i0 = 0;
+#ifdef HAVE_BF16_DOT
+    if (half % 16 == 0)
+        for (; i0 + 16 <= D; i0 += 16) {
+            const int j0 = i0 < half ? i0 + half : i0 - half;
+            const __m512 cb = bf16x16_round(_mm512_loadu_ps(c + i0));
+            const __m512 sb = bf16x16_round(_mm512_loadu_ps(s + i0));
+            const __m512 xc = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + i0), cb));
+            const __m512 xs = bf16x16_round(_mm512_mul_ps(bf16x16_load(x + j0), sb));
+            bf16x16_store(o + i0, _mm512_add_ps(xc, xs));
+        }
+#endif
+#ifdef HAVE_AVX2_ATTENTION
+    if (half % 8 == 0)
+        for (; i0 + 8 <= D; i0 += 8) {
+            const int j0 = i0 < half ? i0 + half : i0 - half;
+            const __m256 cb = bf16x8_round(_mm256_loadu_ps(c + i0));
+            const __m256 sb = bf16x8_round(_mm256_loadu_ps(s + i0));
+            const __m256 xc = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + i0), cb));
+            const __m256 xs = bf16x8_round(_mm256_mul_ps(bf16x8_load(x + j0), sb));
+            bf16x8_store(o + i0, _mm256_add_ps(xc, xs));
+        }
+#endif
+    for (int i = i0; i < D; i++) {
+        const int j = i < half ? i + half : i - half;
+        const float cb = bf16_load(bf16_store(c[i])), sb = bf16_load(bf16_store(s[i]));
+        o[i] = bf16_store(bf16_load(bf16_store(bf16_load(x[i]) * cb)) +
+                          bf16_load(bf16_store(bf16_load(x[j]) * sb)));
+    }
+}
+
+/* RoPE (rotate-half) on q and k, and this step's K and V stored at their cache slots. q, k and v
+ * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
+ * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
+ * what attention reads); cos and signed sin are fp32 (the sine's first half negated):
+ * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], row t's at row t of cos and sin [T, D],
+ * or with `positions` [T] (non-NULL) at row positions[t] of tables [P, D] that cover them.
+ * K and V land in rows of the cache, or as pairs where kv_as_pairs. */
+void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+                     const float *cos, const float *sin, const int64_t *positions,
+                     const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
+                     int Hkv, int D) {
+    const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
+    const int64_t v_offset = num_slots * Hkv * D;
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++) {
+        const int64_t at = (positions ? positions[t] : t) * D;
+        const float *c = cos + at, *s = sin + at;
+        /* pairs: slot j of its page; head g's keys and values start PAGE * D * g into the page */
+        const int64_t page_start = slots[t] / PAGE * PAGE * Hkv * D, j = slots[t] % PAGE;
+        for (int h = 0; h < H + Hkv; h++) {
+            const int64_t src = (int64_t)t * row + (int64_t)h * D; /* q heads, then k heads */
+            if (h >= H && pairs) { /* [D / 2][16][2] */
+                uint16_t key[D];
+                rope_row_bf16((const uint16_t *)qkv + src, c, s, key, D);
+                uint16_t *kt = (uint16_t *)kv + page_start + (int64_t)(h - H) * PAGE * D;
+                for (int d = 0; d < D; d++) kt[(d / 2) * 2 * PAGE + j * 2 + d % 2] = key[d];
+                continue;
+            }
+            const int64_t dst = h < H ? ((int64_t)t * H + h) * D : (slots[t] * Hkv + h - H) * D;
+            void *out = h < H ? q_out : kv;
+            if (elem_bytes == 4) {
+                const float *x = (const float *)qkv + src;
+                float *o = (float *)out + dst;
+#pragma omp simd
+                for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
+#pragma omp simd
+                for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
+            } else {
+                rope_row_bf16((const uint16_t *)qkv + src, c, s, (uint16_t *)out + dst, D);
+            }
+        }
+        for (int g = 0; g < Hkv; g++) {
+            const int64_t src = (int64_t)t * row + (int64_t)(H + Hkv + g) * D;
+            if (pairs) { /* [8][D][2] */
+                const uint16_t *x = (const uint16_t *)qkv + src;
+                uint16_t *vt = (uint16_t *)kv + v_offset + page_start + (int64_t)g * PAGE * D +
+                               (j / 2) * 2 * D + j % 2;
+                for (int d = 0; d < D; d++) vt[2 * d] = x[d];
+                continue;
+            }
+            const int64_t dst = v_offset + (slots[t] * Hkv + g) * D;
+            memcpy((char *)kv + dst * elem_bytes, (const char *)qkv + src * elem_bytes,
+                   (size_t)elem_bytes * D);
+        }
+    }
+}
+
+void rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+                const float *cos, const float *sin, const int64_t *positions,
+                const int64_t *slots, void *kv, int64_t num_slots, int T, int H, int Hkv,
+                int D) {
+#pragma omp parallel if (T >= 8)
+    rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, positions, slots, kv, num_slots, T, H,
+                    Hkv, D);
+}
+
+/* Whether every one of T rows' cache slot lies in [0, num_slots) and, with positions (NULL:
+ * none), its position in [0, rope_rows). 0, or a PPR_BAD_*. */
+int slots_positions_check(int T, const int64_t *slots, int64_t num_slots,
+                          const int64_t *positions, int64_t rope_rows) {
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return PPR_BAD_SLOT;
+        if (positions && (positions[t] < 0 || positions[t] >= rope_rows)) return PPR_BAD_POSITION;
+    }
+    return 0;
+}
+
+/* rope_store_rows over cos and sin [T, D]: q_out [T, H, D], k and v into the cache
+ * [2, num_slots, Hkv, D] at slots [T], each checked first. Returns 0 or PPR_BAD_SLOT. */
+int ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
+                   const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
+                   int H, int Hkv, int D) {
+    if (T < 0) return PPR_BAD_ROWS;
+    const int bad = slots_positions_check(T, slots, num_slots, NULL, 0);
+    if (bad) return bad;
+    rope_store(elem_bytes, qkv, row, q_out, cos, sin, NULL, slots, kv, num_slots, T, H, Hkv, D);
+    return 0;
+}
+
+/* out[n] = the first index of row n's largest value of x[N, V] (rows `stride` elements apart),
+ * as torch's argmax: a NaN counts as the largest, the first NaN wins. torch's CPU argmax (and
+ * max(dim), which the greedy paths used) runs a scalar loop: [32, 49152] bf16 took 1.4 ms on one
+ * Zen 4 thread; here two vector passes over each row, the first for the maximum (and any NaN),
+ * the second for its first index. */
+static inline float row_value(const void *x, int64_t i, int elem_bytes) {
+    return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
+}
+
+static int64_t row_argmax_scalar(const void *x, int64_t base, int V, int elem_bytes) {
+    int64_t best = 0;
+    float best_v = row_value(x, base, elem_bytes);
+    if (best_v != best_v) return 0;
+    for (int v = 1; v < V; v++) {
+        const float f = row_value(x, base + v, elem_bytes);
+        if (f != f) return v; /* NaN: the largest */
+        if (f > best_v) best_v = f, best = v;
+    }
+    return best;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __m512 row_load16(const void *x, int64_t i, int elem_bytes, __mmask16 keep) {
+    if (elem_bytes == 4) return _mm512_maskz_loadu_ps(keep, (const float *)x + i);
+    const __m256i b = _mm256_maskz_loadu_epi16(keep, (const uint16_t *)x + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+static int64_t row_argmax_avx512(const void *x, int64_t base, int V, int elem_bytes) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int v = 0; v < V; v += 16) {
+        const __mmask16 keep = V - v >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - v)) - 1);
+        const __m512 f = row_load16(x, base + v, elem_bytes, keep);
+        nan |= _mm512_mask_cmp_ps_mask(keep, f, f, _CMP_UNORD_Q);
+        top = _mm512_mask_max_ps(top, keep, top, f);
+    }
+    if (nan) return row_argmax_scalar(x, base, V, elem_bytes); /* the first NaN */
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int v = 0; v < V; v += 16) {
+        const __mmask16 keep = V - v >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (V - v)) - 1);
+        const __m512 f = row_load16(x, base + v, elem_bytes, keep);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(keep, f, best, _CMP_EQ_OQ);
+        if (hit) return v + __builtin_ctz(hit);
+    }
+    return 0; /* not reached: the maximum is one of the row's values */
+}
+#endif
+
+void ppr_row_argmax(int elem_bytes, const void *x, int64_t stride, int64_t *out, int N, int V) {
+#pragma omp parallel for schedule(static) if (N > 1)
+    for (int n = 0; n < N; n++) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        out[n] = row_argmax_avx512(x, (int64_t)n * stride, V, elem_bytes);
+#else
+        out[n] = row_argmax_scalar(x, (int64_t)n * stride, V, elem_bytes);
+#endif
+    }
+}
+
+/* ppr_silu_mul's rows, shared by the team this runs in (orphaned) */
+static void silu_mul_rows(int elem_bytes, const void *gate, const void *up, int64_t row,
+                          void *out, int T, int I) {
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++) silu_mul_row(elem_bytes, gate, up, row, out, t, I);
+}
+
+void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
+                  int I) {
+#pragma omp parallel if (T >= 8)
+    silu_mul_rows(elem_bytes, gate, up, row, out, T, I);
+}
+
+/* ppr_add_bias's rows, shared by the team this runs in (orphaned) */
+void add_bias_rows(int elem_bytes, void *y, int64_t row_stride, const void *bias, int T, int N) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        add_bias_row(elem_bytes, (char *)y + (int64_t)t * row_stride * elem_bytes, bias, N);
+}
+
+/* y[t, j] += bias[j] in place, for rows t < T of y (row_stride elements apart: a column block
+ * of a wider matmul output is fine) and columns j < N: a matmul's bias (Qwen2's on q, k and v),
+ * add_bias_row's arithmetic. Returns 0; PPR_REFUSED for an elem_bytes other than 4 or 2;
+ * PPR_BAD_ROWS for a negative T or N, or rows that would overlap (row_stride < N). */
+int ppr_add_bias(int elem_bytes, void *y, int64_t row_stride, const void *bias, int T, int N) {
+    if (elem_bytes != 4 && elem_bytes != 2) return PPR_REFUSED;
+    if (T < 0 || N < 0 || row_stride < N) return PPR_BAD_ROWS;
+#pragma omp parallel if (T >= 8)
+    add_bias_rows(elem_bytes, y, row_stride, bias, T, N);
+    return 0;
+}
+
+/* ppr_rms_norm_heads' rows, shared by the team this runs in (orphaned) */
+static void rms_norm_heads_rows(int elem_bytes, void *x, int64_t row_stride, int first_head,
+                                int num_heads, int D, const void *weight, float eps, int T) {
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++)
+        rms_norm_heads_row(elem_bytes, (char *)x + (int64_t)t * row_stride * elem_bytes,
+                           first_head, num_heads, D, weight, eps);
+}
+
+/* The RMSNorm of heads [first_head, first_head + num_heads) of every row of x [T, row_stride]
+ * (head h of a row at column h D), in place, times weight [D]: rms_norm_heads_row (Qwen3's q
+ * heads, then its k heads, of a qkv matmul's rows). Returns 0; PPR_REFUSED for an elem_bytes
+ * other than 4 or 2; PPR_BAD_ROWS for a negative T, first_head or num_heads, a D below 1, or
+ * heads that reach past a row. */
+int ppr_rms_norm_heads(int elem_bytes, void *x, int64_t row_stride, int first_head,
+                       int num_heads, int D, const void *weight, float eps, int T) {
+    if (elem_bytes != 4 && elem_bytes != 2) return PPR_REFUSED;
+    if (T < 0 || first_head < 0 || num_heads < 0 || D < 1 ||
+        ((int64_t)first_head + num_heads) * D > row_stride)
+        return PPR_BAD_ROWS;
+#pragma omp parallel if (T >= 8)
+    rms_norm_heads_rows(elem_bytes, x, row_stride, first_head, num_heads, D, weight, eps, T);
+    return 0;
+}
