@@ -1,0 +1,161 @@
+"""Tiny random Qwen2 and Qwen3 folders for tests, built and saved by transformers, so parity
+tests compare ppring against the reference implementation on exactly the same weights.
+
+What sets the families apart from Llama is made to show: every RMSNorm weight (Qwen3's per-head
+q_norm and k_norm included) is perturbed away from 1.0, Qwen2's q/k/v biases are clearly
+nonzero, and Qwen3's head_dim is not hidden_size / num_heads, so a missing bias or norm, or a
+head size taken from the hidden size, changes the output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2  # as tests/tiny_llama.py's, in a folder without a tokenizer
+
+# With a tokenizer, the vocabulary is laid out as Qwen's: byte-level BPE tokens first (here the
+# 256 bytes alone, no merges, so a prompt is one token per UTF-8 byte), then special tokens.
+TOKENIZER_SPECIALS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", *(f"<|reserved_{i}|>" for i in range(13))
+)  # fmt: skip
+TOKENIZER_VOCAB = 256 + len(TOKENIZER_SPECIALS)  # 272
+TOKENIZER_EOS_ID = 256  # <|endoftext|>: BOS and EOS, as in a Qwen base model's config
+
+
+def make_tiny_qwen2(
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = False,
+    rope_theta: float = 1_000_000.0,  # Qwen2.5's
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 Qwen2ForCausalLM (bias on q/k/v, none on o) to `path` and return
+    the folder. `init_std`: transformers' initializer_range; at its default, greedy text
+    repeats one token, at 0.2 it follows the context. `tokenizer`: with a byte-level BPE
+    tokenizer that AutoTokenizer loads as Qwen2Tokenizer, as `ppring local` needs one; `vocab`
+    must then be TOKENIZER_VOCAB."""
+    config = Qwen2Config(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=max_positions,
+        use_sliding_window=False,
+    )
+    return _save(Qwen2ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+def make_tiny_qwen3(
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,  # heads * head_dim = 128 != hidden: q_proj and o_proj are not square
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = False,
+    rope_theta: float = 1_000_000.0,  # Qwen3's
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 Qwen3ForCausalLM (per-head RMSNorm on q and k before the rotary,
+    head_dim from config.json, no bias) to `path` and return the folder; `init_std` and
+    `tokenizer` as in make_tiny_qwen2."""
+    config = Qwen3Config(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=max_positions,
+        use_sliding_window=False,
+    )
+    return _save(Qwen3ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+def _common(
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    vocab: int,
+    tied: bool,
+    tokenizer: bool,
+) -> dict[str, Any]:
+    if tokenizer and vocab != TOKENIZER_VOCAB:
+        raise ValueError(f"a folder with the tokenizer has vocab {TOKENIZER_VOCAB}, not {vocab}")
+    bos, eos = (TOKENIZER_EOS_ID,) * 2 if tokenizer else (BOS_TOKEN_ID, EOS_TOKEN_ID)
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": tied,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+    }
+
+
+def _save(model_class: type, config: Any, path: Path, seed: int, tokenizer: bool) -> Path:
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # Random init leaves norms at 1.0 and biases at 0: move both, so a missing or
+            # misplaced one shows up in the logits.
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("_proj.bias"):
+                param.copy_(0.5 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        byte_level_tokenizer().save_pretrained(path)
+    return path
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """Qwen's tokenizer in miniature: GPT-2's byte-to-character map, Qwen2's pre-tokenizer,
+    no merges, then TOKENIZER_SPECIALS. Saved, AutoTokenizer loads it as Qwen2Tokenizer for a
+    qwen2 folder and as a plain tokenizers backend for a qwen3 one: the same ids either way."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="")
+    )
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(token, special=True) for token in TOKENIZER_SPECIALS])
+    eos = TOKENIZER_SPECIALS[0]
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos)
