@@ -1,4 +1,4 @@
-"""fp32 weights on a GGUF grid (stages/grid.py): found only where every weight is exactly
+"""fp32 weights on a GGUF grid (backend/cpu/grid.py): found only where every weight is exactly
 reproduced, held as codes, and multiplied to the very same results as the fp32 panels."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages import grid, native
-from stages.linear import CpuLinear, GridLinear, make_linear
+from stages.backend.cpu import grid, native
+from stages.backend.cpu.linear import CpuLinear, GridLinear, make_linear
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])

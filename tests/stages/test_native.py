@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages import native
+from stages.backend.cpu import native
+from stages.backend.cpu.linear import CpuBf16Linear, pack_int8_quads
+from stages.backend.cpu.ops import NativeOps
+from stages.backend.torch.ops import TorchOps
 from stages.batch import BLOCK_SIZE
-from stages.linear import CpuBf16Linear, pack_int8_quads
-from stages.ops import NativeOps, TorchOps
 
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
 # has AVX-512 (where -march=native takes the AVX-512 paths instead).
@@ -491,7 +492,7 @@ def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels
 
 
 def test_cpu_linear_matches_f_linear_and_serves_its_rows(kernels: native.NativeKernels) -> None:
-    from stages.linear import CpuLinear
+    from stages.backend.cpu.linear import CpuLinear
 
     torch.manual_seed(3)
     weight = torch.randn(70, 48)

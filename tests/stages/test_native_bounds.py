@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import native
+from stages.backend.cpu import native
 from stages.batch import BLOCK_SIZE, SeqChunk
 from tests.stages.conftest import Chain
 
@@ -104,7 +104,7 @@ def fused_chain(tiny_dirs: dict[str, Path]) -> Chain:
 
 
 class _StepArrays:
-    """A decode step's metadata for the fused layers' `_Step`, as stages/cpu_decode.py lays it
+    """A decode step's metadata for the fused layers' `_Step`, as backend/cpu/kept_decode.py lays it
     out: int64 positions [n] and slots [n]; int32 q_start, q_len, ctx_len [n] and block tables
     [n, width]."""
 

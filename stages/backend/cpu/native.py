@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from stages.backend.cpu.codes import BLOCK as GRID_BLOCK
+from stages.backend.cpu.codes import GridCodes, GridPairs, GridQuads
 from stages.batch import BLOCK_SIZE
-from stages.grid import BLOCK as GRID_BLOCK
-from stages.grid import GridCodes, GridPairs, GridQuads
 
 logger = logging.getLogger(__name__)
 
