@@ -91,8 +91,8 @@ def split_config(config: str) -> tuple[str, str, str]:
     """ "int8" -> ("auto", "int8", "int8x2"); "bfloat16+int8" -> ("bfloat16", "int8", "int8x2");
     "float32" -> ("float32", "none", "int8x2"); "bfloat16+exact" -> ("bfloat16", "none", "bf16");
     "auto+a8" -> ("auto", "none", "int8"). The last is how a bf16 stage multiplies GGUF codes
-    (stages/linear.py grid_activations): `exact` decoded to bf16, `a8` times int8 activations in
-    one pass (llama.cpp's), else in two."""
+    (stages/backend/switches.py grid_activations): `exact` decoded to bf16, `a8` times int8
+    activations in one pass (llama.cpp's), else in two."""
     parts = config.split("+")
     flags = [p for p in parts if p in ("int8", "exact", "a8")]
     dtypes = [p for p in parts if p not in flags]
@@ -163,10 +163,10 @@ def load_runner(
 ) -> tuple[Any, str]:
     """A one-stage StageRunner holding every layer in configuration `name` (split_config), its
     KV cache of `blocks` blocks allocated, and a clause saying what it runs."""
+    from stages.backend.cpu.linear import GRID_ACTIVATIONS_ENV
     from stages.config import ModelConfig
     from stages.dtype import resolve_dtype
     from stages.kv_cache import bytes_per_block
-    from stages.linear import GRID_ACTIVATIONS_ENV
     from stages.runner import StageRunner
 
     config = ModelConfig.from_folder(model_dir)

@@ -147,8 +147,9 @@ def time_matmuls(runner: Any, batch: int, repeats: int) -> dict[str, float | Non
 
     fused = runner.model.fused
     if fused is not None:
-        # The layers' matmuls as the step runs them, one C call a layer (stages/fused_layer.py);
-        # what follows the layers' four each in `modules` (the lm_head), as modules.
+        # The layers' matmuls as the step runs them, one C call a layer
+        # (stages/backend/cpu/fused_layer.py); what follows the layers' four each in `modules`
+        # (the lm_head), as modules.
         layer_matmuls = fused.matmuls(batch)
         head = modules[4 * len(runner.model.layers) :]
         own = median(lambda: (layer_matmuls(), [m(inputs[m.in_features]) for m in head]))

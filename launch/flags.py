@@ -115,7 +115,7 @@ FLAGS: tuple[Flag, ...] = (
         agreed=True,
     ),
     Flag("--device", str, "cpu"),
-    # CUDA graphs for decode steps, as SGLang names them (stages/cuda_graphs.py).
+    # CUDA graphs for decode steps, as SGLang names them (stages/backend/cuda/graphs.py).
     Flag(
         "--cuda-graph-max-bs",
         int,

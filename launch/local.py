@@ -198,9 +198,9 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         return []
     import torch
 
-    from stages import native
+    from stages.backend.cpu import native
+    from stages.backend.cpu.linear import check_quantization
     from stages.dtype import resolve_dtype
-    from stages.linear import check_quantization
 
     choice = resolve_dtype(args.dtype, args.device, config.torch_dtype)
     device = torch.device(args.device)
@@ -220,13 +220,13 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
 
 
 def grid_weights_line(dtype: Any, quantization: str, kernels: Any) -> str | None:
-    """How a CPU stage will multiply weights that lie on a GGUF grid (stages/grid.py), where
+    """How a CPU stage will multiply weights that lie on a GGUF grid (backend/cpu/grid.py), where
     that changes its numbers: a bf16 stage multiplies their codes by int8-quantized rows unless
     PPRING_GRID_ACTIVATIONS=bf16 (a bad value is one error here). None where it does not apply:
     wherever a stage does not load fp32 weights to look for the grid (`source_dtype`)."""
     import torch
 
-    from stages.linear import GRID_ACTIVATIONS_ENV, bf16_grid_way, source_dtype
+    from stages.backend.cpu.linear import GRID_ACTIVATIONS_ENV, bf16_grid_way, source_dtype
 
     if dtype != torch.bfloat16 or source_dtype(dtype, quantization, kernels) == dtype:
         return None

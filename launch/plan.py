@@ -61,7 +61,7 @@ class PlanModel:
 
 
 # The config.json fields a preset states, in the order _preset takes them (head_dim is
-# hidden_size / num_attention_heads for all three).
+# hidden_size / num_attention_heads unless the preset names it, as Qwen3's do).
 PRESET_FIELDS = (
     "num_hidden_layers",
     "hidden_size",
@@ -73,14 +73,18 @@ PRESET_FIELDS = (
 )
 
 
-def _preset(name: str, *values: int | bool) -> PlanModel:
-    """A published bf16 Llama model from its config.json, cut to PRESET_FIELDS; RoPE and norm
-    settings take ModelConfig's defaults, which plan never reads."""
+def _preset(
+    name: str, *values: int | bool, architecture: str = "LlamaForCausalLM", **extra: int
+) -> PlanModel:
+    """A published bf16 model from its config.json, cut to PRESET_FIELDS (and `extra`, such as
+    head_dim); RoPE and norm settings take ModelConfig's defaults, which plan never reads. Its
+    family's layer spec counts what it adds to Llama's layer (Qwen2's biases, Qwen3's norms)."""
     raw = {
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [architecture],
         "max_position_embeddings": 8192,
         "torch_dtype": "bfloat16",
         **dict(zip(PRESET_FIELDS, values, strict=True)),
+        **extra,
     }
     config = ModelConfig.from_dict(raw, source=name)
     return PlanModel(name, config, config.torch_dtype)
@@ -92,6 +96,33 @@ PRESETS = {
         _preset("Llama-3-70B", 80, 8192, 64, 8, 28672, 128256, False),
         _preset("Llama-3-8B", 32, 4096, 32, 8, 14336, 128256, False),
         _preset("SmolLM2-135M", 30, 576, 9, 3, 1536, 49152, True),
+        _preset(
+            "Qwen2.5-7B", 28, 3584, 28, 4, 18944, 152064, False, architecture="Qwen2ForCausalLM"
+        ),
+        _preset(
+            "Qwen3-8B",
+            36,
+            4096,
+            32,
+            8,
+            12288,
+            151936,
+            False,
+            architecture="Qwen3ForCausalLM",
+            head_dim=128,
+        ),
+        _preset(
+            "Qwen3-0.6B",
+            28,
+            1024,
+            16,
+            8,
+            3072,
+            151936,
+            True,
+            architecture="Qwen3ForCausalLM",
+            head_dim=128,
+        ),
     )
 }
 
@@ -144,7 +175,11 @@ def layer_params_per_gpu(shape: ModelConfig, tp_size: int) -> int:
     q_and_o = 2 * d * shape.num_heads * dh // tp_size
     k_and_v = 2 * d * kv_heads_per_gpu(shape.num_kv_heads, tp_size) * dh
     mlp = 3 * d * shape.intermediate_size // tp_size  # gate, up, down
-    return q_and_o + k_and_v + mlp + 2 * d
+    heads = shape.num_heads // tp_size
+    extra = shape.layer_spec.extra_params(
+        d, dh, heads, kv_heads_per_gpu(shape.num_kv_heads, tp_size)
+    )
+    return q_and_o + k_and_v + mlp + 2 * d + extra
 
 
 def stage_params_per_gpu(

@@ -3,7 +3,7 @@
 The batch is packed (varlen): T = the sum of the chunks' token counts, no padding between
 sequences. Attention metadata depends on how attention runs:
 
-- `paged` (the CPU kernel in `cpu_kernels.c`): per chunk its first row, its row count, its
+- `paged` (the CPU kernel in the kernels (`csrc/`)): per chunk its first row, its row count, its
   context length and its block table, [N] and [N, max_blocks] int32. The kernel walks the block
   table and reads K and V where they lie; nothing is copied.
 - `gather` (torch: a GPU stage, or a CPU with no C compiler) gathers each context's K and V into

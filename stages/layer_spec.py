@@ -48,6 +48,20 @@ class LayerSpec:
             names += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return tuple(names)
 
+    def extra_params(self, hidden: int, head_dim: int, q_heads: int, kv_heads: int) -> int:
+        """Parameters the flags add to a Llama layer of this shape, per TP rank of
+        `q_heads` and `kv_heads` heads (launch/plan.py counts them; a q/k norm is replicated)."""
+        params = (q_heads + 2 * kv_heads) * head_dim if self.qkv_bias else 0
+        params += hidden if self.o_bias else 0
+        return params + (2 * head_dim if self.qk_norm else 0)
+
+    def extra_flops(self, hidden: int, q_size: int, kv_size: int) -> int:
+        """Elementwise work per token the flags add to a layer (stages/partition.py's cost
+        model): a bias is an add per output, a head norm ~4 passes over q and k."""
+        flops = q_size + 2 * kv_size if self.qkv_bias else 0
+        flops += hidden if self.o_bias else 0
+        return flops + (4 * (q_size + kv_size) if self.qk_norm else 0)
+
     def describe(self) -> str:
         """The flags set, for the start-up summary ("plain" where none)."""
         flags = [name for name in ("qkv_bias", "o_bias", "qk_norm") if getattr(self, name)]

@@ -90,6 +90,7 @@ class StageCosts:
         weights = d * (q_size + 2 * kv_size) + q_size * d + 3 * d * config.intermediate_size
         attention = 4 * context * q_size  # q.k and p.v over the context, every query head
         elementwise = 20 * d + 4 * config.intermediate_size  # norms, RoPE, SiLU: small
+        elementwise += config.layer_spec.extra_flops(d, q_size, kv_size)  # the family's adds
         vocab = config.vocab_size
         # the lm_head matmul and the sampler's few passes over the logits, for the decode
         # tokens only; the final norm for every token

@@ -14,12 +14,11 @@ from pathlib import Path
 import torch
 
 from protocol.sampling import SamplingParams
-from stages import native, triton_attention
-from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
-from stages.config import ModelConfig
-from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
-from stages.cpu_decode import CpuDecodeStep
-from stages.cuda_graphs import (
+from stages.backend import Backend
+from stages.backend.cpu.kept_decode import CpuDecodeStep
+from stages.backend.cpu.linear import bytes_unread, describe_matrices
+from stages.backend.cuda import triton_attention
+from stages.backend.cuda.graphs import (
     CudaRecorder,
     DecodeGraphs,
     GraphRecorder,
@@ -27,21 +26,14 @@ from stages.cuda_graphs import (
     StepOutputs,
     capture_sizes,
 )
+from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
+from stages.config import ModelConfig
+from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
 from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs, on_device
 from stages.kv_cache import KVCache, num_blocks_for_budget
-from stages.linear import (
-    GRID_ACTIVATIONS_ENV,
-    CpuBf16Linear,
-    CpuLinear,
-    GridA8Linear,
-    GridBf16Linear,
-    GridLinear,
-    check_quantization,
-    source_dtype,
-)
-from stages.llama import Kind, LlamaStage
+from stages.models.blocks import CausalLMStage
 from stages.partition import (
     layer_range,
     lm_head_rows,
@@ -79,7 +71,7 @@ class StageRunner(Stage):
         vocabulary and the first samples (a one-stage ring has nothing to split).
 
         `cuda_graph_max_bs`: on a CUDA device, decode steps of up to this many sequences replay
-        as CUDA graphs (stages/cuda_graphs.py), captured once the KV cache is allocated; None or
+        as CUDA graphs (backend/cuda/graphs.py), captured once the KV cache is allocated; None or
         0: every step runs eagerly. `graph_recorder` replaces the CUDA recorder (tests record
         "graphs" on a CPU with `EagerRecorder`).
 
@@ -108,8 +100,9 @@ class StageRunner(Stage):
         else:
             self.dtype = to_torch_dtype(dtype)
         self.log_prefix = f"[pp{rank}]" if rank is not None else f"[L{start_layer}-{end_layer}]"
-        kernels, kernels_reason = native.kernels_for(self.device, self.dtype)
-        check_quantization(quantization, self.device, kernels, kernels_reason)
+        # How this stage computes, chosen once (stages/backend/__init__.py)
+        self.backend = backend = Backend.pick(self.device, self.dtype, quantization)
+        kernels = backend.kernels
         self.quantization = quantization
         weights = load_stage_weights(
             model_dir,
@@ -119,12 +112,11 @@ class StageRunner(Stage):
             self.dtype,
             self.device,
             lm_head=head_rows is not None,
-            matrix_dtype=source_dtype(self.dtype, quantization, kernels),
+            matrix_dtype=backend.matrix_dtype(self.dtype),
         )
         self.num_tensors_read = weights.num_tensors_read
-        kind = Kind.build(kernels, quantization, self.dtype)
-        self.model = LlamaStage(
-            self.config, weights.tensors, start_layer, end_layer, kind, head_rows
+        self.model = CausalLMStage(
+            self.config, weights.tensors, start_layer, end_layer, backend, head_rows
         )
         self.is_first_stage = self.model.is_first_stage
         self.is_last_stage = self.model.is_last_stage
@@ -144,8 +136,8 @@ class StageRunner(Stage):
                 "; it samples" if is_first else "",
             )
         # Where the kernels run, attention reads the paged cache in place; elsewhere torch
-        # gathers each context's K and V for SDPA (stages/attention.py). On a GPU with Triton,
-        # decode-only batches read in place too (stages/triton_attention.py).
+        # gathers each context's K and V for SDPA (stages/backend/torch/attention.py). On a GPU
+        # with Triton, decode-only batches read in place too (stages/backend/cuda/ops.py).
         self.attention = "paged" if kernels is not None else "gather"
         self.paged_decode = self.attention == "paged" or self._triton_decode()
         self.graph_recorder = self._graph_recorder(cuda_graph_max_bs, graph_recorder)
@@ -155,13 +147,16 @@ class StageRunner(Stage):
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.clock = StepClock()
         logger.info(
-            "%s CPU kernels: %s; attention: %s; weights: %s",
+            "%s %s %s layers (%s); backend: %s; attention: %s; weights: %s",
             self.log_prefix,
-            kernels_reason if kernels is None else "on",
+            self.config.architecture,
+            self.config.layer_spec.describe(),
+            "fused" if self.model.fused is not None else "one call per op",
+            backend.describe(),
             self.attention,
             "int8 (per-channel scales)"
             if quantization == "int8"
-            else _cpu_weights(self.model, self.dtype)
+            else describe_matrices(list(self.model.modules()), self.dtype)
             if kernels is not None
             else "unquantized",
         )
@@ -241,10 +236,7 @@ class StageRunner(Stage):
     def weight_bytes_read(self, rows: int) -> int:
         """Of parameter_bytes, what a forward of `rows` rows reads: a matrix held both as
         codes and as bf16 panels (GridBf16Linear) reads one of them."""
-        modules = self.model.modules()
-        return self.parameter_bytes - sum(
-            m.bytes_unread(rows) for m in modules if isinstance(m, GridBf16Linear)
-        )
+        return self.parameter_bytes - bytes_unread(list(self.model.modules()), rows)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -275,12 +267,12 @@ class StageRunner(Stage):
         if self.graph_recorder is not None:
             self._capture_graphs(num_blocks)
         elif self.device.type == "cpu":
-            # decode-only steps on buffers kept from step to step (stages/cpu_decode.py)
+            # decode-only steps on buffers kept from step to step (backend/cpu/kept_decode.py)
             self.cpu_decode = CpuDecodeStep.build(self.model, self.kv)
 
     def _triton_decode(self) -> bool:
         """A GPU stage reads the paged cache with the Triton kernel where it builds and checks
-        out (stages/triton_attention.py); otherwise torch's gather path, without graphs."""
+        out (backend/cuda/triton_attention.py); otherwise torch's gather path, without graphs."""
         if self.device.type != "cuda":
             return False
         cfg = self.config
@@ -628,34 +620,3 @@ def _plain_greedy(params: SamplingParams) -> bool:
     """Argmax of the raw logits and nothing else: no penalty or bias to apply, no logprob to
     report."""
     return params.is_greedy and not params.changes_logits and not params.logprobs
-
-
-def _cpu_weights(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """How a CPU stage holds its fp32 or bf16 matrices, for the start-up log."""
-    name = "fp32" if dtype == torch.float32 else "bf16"
-    coded = (GridLinear, GridBf16Linear, GridA8Linear)
-    grids = [m.grid.name for m in model.modules() if isinstance(m, coded)]
-    kinds = (CpuLinear, CpuBf16Linear, *coded)
-    total = sum(isinstance(m, kinds) for m in model.modules())
-    if not total:
-        return f"{name}, multiplied by torch"
-    if not grids:
-        return f"{name}, packed in panels for the kernels"
-    counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
-    rest = "" if len(grids) == total else ", the rest packed in panels"
-    both = [m.code_rows for m in model.modules() if isinstance(m, GridBf16Linear)]
-    if any(isinstance(m, GridA8Linear) for m in model.modules()):
-        passes = max(m.passes for m in model.modules() if isinstance(m, GridA8Linear))
-        also = (
-            ", multiplied by int8 activations (per 32, as llama.cpp does; "
-            f"{GRID_ACTIVATIONS_ENV}=bf16 for the bf16 panels' results)"
-            if passes == 1
-            else ", multiplied by activations quantized to int8 per 32 in two passes (bf16's "
-            f"accuracy; {GRID_ACTIVATIONS_ENV}=int8 for one, as llama.cpp does)"
-        )
-    else:
-        also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
-    return (
-        f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts})"
-        f"{also}{rest}"
-    )

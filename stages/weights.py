@@ -78,7 +78,7 @@ def load_stage_weights(
 ) -> StageWeights:
     """`lm_head` as in stage_tensor_names: the whole matrix is loaded under LM_HEAD (the stage
     keeps its rows). `matrix_dtype` (None: `dtype`): the dtype of the 2-D tensors the
-    checkpoint holds in fp32, the weight matrices and the embedding (stages/linear.py
+    checkpoint holds in fp32, the weight matrices and the embedding (stages/backend/cpu/linear.py
     source_dtype); everything else takes `dtype`."""
     folder = Path(folder)
     torch_dtype = to_torch_dtype(dtype)

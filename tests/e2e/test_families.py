@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.client import Client
 from launch.procs import ROOT, find_free_base_port
-from stages import fused_layer
+from stages.backend.cpu import fused_layer
 from tests.e2e.conftest import PROMPTS
 from tests.tiny_families import (
     TOKENIZER_EOS_ID,
@@ -99,8 +99,14 @@ def test_greedy_tokens_equal_transformers(
         "--model", str(family_folders[family]), "--pp-size", str(pp_size), "--dtype", "float32",
         *KV_ARGS,
     )  # fmt: skip
-    # every stage on ppring's CPU kernels (fused or not), not on a fallback to torch alone
-    assert server.log_text().count("CPU kernels: on") == pp_size
+    # every stage on ppring's CPU kernels (fused or not), not on a fallback to torch alone,
+    # and its layers the way this test asked for
+    log = server.log_text()
+    assert log.count("backend: cpu (") == pp_size
+    layers = "fused" if path == "fused" else "one call per op"
+    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    assert log.count(f"{architecture} ") == pp_size
+    assert log.count(f"layers ({layers})") == pp_size
     with Client(server.addr, timeout_s=60) as client:
         for prompt, expected in hf_tokens[family].items():
             got = client.complete(prompt, max_new_tokens=NEW_TOKENS, temperature=0).token_ids

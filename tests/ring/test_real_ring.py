@@ -15,7 +15,7 @@ from protocol.sampling import SamplingParams
 from ring.config import RingConfig
 from ring.harness import ThreadRing
 from ring.loop import ModelInfo
-from stages.cuda_graphs import EagerRecorder
+from stages.backend.cuda.graphs import EagerRecorder
 from stages.partition import layer_range
 from stages.runner import StageRunner
 from tests.tiny_llama import make_tiny_llama
@@ -40,7 +40,7 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(
     """`split`: the lm_head split between the first and the last stage, the first sampling.
     `queued`: the stages take a GPU stage's path on the CPU: `launch` returns queued steps
     (stages/device_step.py) and decodes run through the graphs' static buffers
-    (stages/cuda_graphs.py, recorded by EagerRecorder), padded to the captured sizes."""
+    (stages/backend/cuda/graphs.py, recorded by EagerRecorder), padded to the captured sizes."""
     folder, model = tiny
     rng = random.Random(pp_size)
     requests = [

@@ -12,9 +12,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from protocol.sampling import SamplingParams
-from stages import native
+from stages.backend.cpu import native
+from stages.backend.cuda.graphs import GraphRecorder
 from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
-from stages.cuda_graphs import GraphRecorder
 from stages.partition import layer_range
 from stages.runner import StageRunner
 from tests.tiny_llama import make_tiny_llama

@@ -1,4 +1,4 @@
-"""Decode steps on kept buffers (stages/cpu_decode.py) compute what the general path computes:
+"""Decode steps on kept buffers (backend/cpu/kept_decode.py) compute what the general path computes:
 the same tokens, the same seams and the same cache, bit for bit, on every stage role (the only
 stage, a first, a middle and a last one, and the last of a split lm_head, whose share the first
 stage joins), for GQA, MHA and MQA, tied and untied embeddings (the
@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from protocol.sampling import SamplingParams
+from stages.backend.cpu.kept_decode import CpuDecodeStep
+from stages.backend.cpu.linear import GridA8Linear
 from stages.batch import SeqChunk
-from stages.cpu_decode import CpuDecodeStep
-from stages.linear import GridA8Linear
 from tests.stages.conftest import Chain
 from tests.stages.test_fused_layer import needs_bf16_dot
 from tests.stages.test_grid import q4_1_weight, q8_0_weight

@@ -1,4 +1,4 @@
-"""The bookkeeping of decode graphs (stages/cuda_graphs.py), checked on a CPU: which sizes are
+"""The bookkeeping of decode graphs (backend/cuda/graphs.py), checked on a CPU: which sizes are
 captured, which size a batch replays, how a batch is padded into the static buffers, and that
 decode steps run through those buffers give the tokens of eager steps. `EagerRecorder` stands in
 for CUDA graph capture (the same static inputs and outputs, no graph); on the GPU machine
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import native
+from stages.backend.cpu import native
+from stages.backend.cuda.graphs import EagerRecorder, StaticDecodeInputs, capture_sizes, size_for
 from stages.batch import BLOCK_SIZE, SeqChunk
-from stages.cuda_graphs import EagerRecorder, StaticDecodeInputs, capture_sizes, size_for
 from tests.stages.conftest import Chain, decode_logits, hf_logits
 from tests.stages.test_parity import random_seqs
 

@@ -140,8 +140,8 @@ def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
     bytes and the logits equal the bf16 panels' bit for bit; times int8 activations (the
     default, where the CPU has VNNI too), every call reads the codes alone and the logits stay
     near the panels'."""
-    from stages import grid, linear, native
-    from stages.linear import CpuBf16Linear, GridA8Linear, GridBf16Linear
+    from stages.backend.cpu import grid, linear, native
+    from stages.backend.cpu.linear import CpuBf16Linear, GridA8Linear, GridBf16Linear
 
     kernels = native.kernels()
     if kernels is None or not kernels.bf16_dot:

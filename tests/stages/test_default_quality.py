@@ -38,7 +38,7 @@ KV_BUDGET = 32 << 20  # fp32: 512 tokens take 23.6 MB
 # transformers-bf16's, 4 windows). Over these positions, PP=1 and PP=2 alike: 0.0010, p99
 # 0.0035, top-1 agreement 95.7% (one pass: 0.0036, p99 0.012, 95.9%). The bounds leave 1.6x
 # the KL divergence. Real regressions of the activations' quantization (a copy of
-# cpu_kernels.c built in its place) break them: the second pass dropped measures 0.0036 and
+# csrc/ built in its place) break them: the second pass dropped measures 0.0036 and
 # 95.9%, the scale amax / 128 (which wraps int8) 18.3 and 0%, a dropped scale 7.7 and 0%.
 # Rounding toward zero instead of to nearest is absorbed by the second pass here (it passes);
 # tests/stages/test_grid_a8.py's exact reference catches it (16 of 16 products fail).

@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from stages import dtype as dtypes
-from stages import native
+from stages.backend.cpu import native
+from stages.backend.cpu.linear import check_quantization
 from stages.errors import ConfigError
-from stages.linear import check_quantization
 from tests.stages.conftest import Chain, drive_teacher_forced, hf_logits
 from tests.stages.test_parity import random_seqs
 

@@ -19,9 +19,9 @@ from protocol.sampling import SamplingParams
 from ring.config import RingConfig
 from ring.harness import ThreadRing
 from ring.loop import ModelInfo
-from stages import fused_layer, native
+from stages.backend.cpu import fused_layer, native
+from stages.backend.cuda.graphs import EagerRecorder
 from stages.config import ModelConfig
-from stages.cuda_graphs import EagerRecorder
 from stages.errors import ConfigError
 from stages.partition import layer_range
 from stages.runner import StageRunner

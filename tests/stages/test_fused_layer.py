@@ -1,4 +1,4 @@
-"""A decoder layer as one kernel call (stages/fused_layer.py) computes bit for bit what the
+"""A decoder layer as one kernel call (backend/cpu/fused_layer.py) computes bit for bit what the
 layer's nine kernel calls from Python compute: for every kind of matrix the kernels hold (fp32
 and bf16 panels, both on a GGUF grid, bf16 grid codes times int8 activations, int8), for
 prefill chunks mixed with decodes, and on a later stage, whose first layer reads a received
@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages import fused_layer, native
-from stages import linear as linear_module
-from stages.linear import GridA8Linear, GridBf16Linear, GridLinear, Int8Linear
+from stages.backend.cpu import fused_layer, native
+from stages.backend.cpu import linear as linear_module
+from stages.backend.cpu.linear import GridA8Linear, GridBf16Linear, GridLinear, Int8Linear
 from tests.stages.conftest import Chain, drive_teacher_forced, greedy_generate
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 from tests.tiny_llama import make_tiny_llama
@@ -113,7 +113,9 @@ def test_a_greedy_decode_batch_finishes_in_one_call_with_the_same_tokens(
 
         return counted
 
-    def counting_at(name: str) -> Callable[..., Any]:  # (stages/cpu_decode.py's decode steps)
+    def counting_at(
+        name: str,
+    ) -> Callable[..., Any]:  # (stages/backend/cpu/kept_decode.py's decode steps)
         original = getattr(fused_layer.GreedyHead, f"{name}_at")
 
         def counted(head: fused_layer.GreedyHead, h_at: int, res_at: int, rows: int) -> Any:

@@ -1,4 +1,4 @@
-"""fp32 weights on a GGUF grid (stages/grid.py): found only where every weight is exactly
+"""fp32 weights on a GGUF grid (backend/cpu/grid.py): found only where every weight is exactly
 reproduced, held as codes, and multiplied to the very same results as the fp32 panels."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages import grid, native
-from stages.linear import CpuLinear, GridLinear, make_linear
+from stages.backend.cpu import build, grid, native
+from stages.backend.cpu.linear import CpuLinear, GridLinear, make_linear
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -19,10 +19,10 @@ def kernels(
         built = native.kernels()
         assert built is not None, native.unavailable_reason()
         return built
-    compiler = native.find_compiler()
+    compiler = build.find_compiler()
     assert compiler is not None
     target = tmp_path_factory.mktemp("portable") / "cpu_kernels.so"
-    return native.NativeKernels(native.compile_kernels(target, compiler, native.PORTABLE_CFLAGS))
+    return native.NativeKernels(build.compile_kernels(target, compiler, build.PORTABLE_CFLAGS))
 
 
 def q4_1_weight(n: int, k: int, seed: int) -> torch.Tensor:

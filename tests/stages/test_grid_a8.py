@@ -1,5 +1,5 @@
-"""bf16 stages over weights on a GGUF grid, the default way (stages/grid.py GridQuads,
-cpu_kernels.c ppr_linear_grid_a8): the codes alone, multiplied by each row of x quantized to
+"""bf16 stages over weights on a GGUF grid, the default way (stages/backend/cpu/grid.py GridQuads,
+csrc/matmul_a8.c ppr_linear_grid_a8): the codes alone, multiplied by each row of x quantized to
 int8 per block of 32, as llama.cpp does. The results are held to a reference that does the same
 arithmetic in float64 (integer sums exact, one bf16 rounding apart), to the exact product within
 the int8 grid's error, and a row's result to its own row, whatever it is batched with."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import grid, native
-from stages import linear as linear_module
+from stages.backend.cpu import grid, native
+from stages.backend.cpu import linear as linear_module
+from stages.backend.cpu.linear import GridA8Linear, GridBf16Linear, make_linear
 from stages.errors import ConfigError
-from stages.linear import GridA8Linear, GridBf16Linear, make_linear
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 
 BF16 = torch.bfloat16

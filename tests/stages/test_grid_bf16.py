@@ -1,5 +1,5 @@
-"""bf16 stages over weights on a GGUF grid with PPRING_GRID_ACTIVATIONS=bf16 (stages/grid.py
-GridPairs, cpu_kernels.c ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as
+"""bf16 stages over weights on a GGUF grid with PPRING_GRID_ACTIVATIONS=bf16 (backend/cpu/grid.py
+GridPairs, matmul_bf16.c ppr_linear_grid_bf16): found from the checkpoint's fp32 values, held as
 codes and as bf16 panels, and multiplied to the very same bf16 results either way, at every row
 count; a call reads the codes up to `code_rows` rows, the panels above. (The default, codes
 times int8 activations, is tests/stages/test_grid_a8.py's.)"""
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages import grid, native
-from stages import linear as linear_module
+from stages.backend.cpu import grid, native
+from stages.backend.cpu import linear as linear_module
+from stages.backend.cpu.linear import CpuBf16Linear, GridBf16Linear, make_linear, source_dtype
 from stages.errors import ConfigError
-from stages.linear import CpuBf16Linear, GridBf16Linear, make_linear, source_dtype
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 
 BF16 = torch.bfloat16

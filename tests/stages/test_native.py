@@ -1,4 +1,4 @@
-"""ppring's CPU kernels (stages/cpu_kernels.c) against torch, one kernel at a time: every shape
+"""ppring's CPU kernels (stages/backend/cpu/csrc/) against torch, one kernel at a time: every shape
 path (one row, pairs of rows, odd tails; head_dim a multiple of 8 or not), fp32 and bf16."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages import native
+from stages.backend.cpu import build, native
+from stages.backend.cpu.linear import CpuBf16Linear, pack_int8_quads
+from stages.backend.cpu.ops import NativeOps
+from stages.backend.torch.ops import TorchOps
 from stages.batch import BLOCK_SIZE
-from stages.linear import CpuBf16Linear, pack_int8_quads
-from stages.ops import NativeOps, TorchOps
 
 # AVX2 + FMA without AVX-512: the paths a CPU of that level runs, also checked on a CPU that
 # has AVX-512 (where -march=native takes the AVX-512 paths instead).
-AVX2_CFLAGS = (*native.PORTABLE_CFLAGS, "-mavx2", "-mfma", "-mf16c")
+AVX2_CFLAGS = (*build.PORTABLE_CFLAGS, "-mavx2", "-mfma", "-mf16c")
 # AVX-512 without BF16 and VNNI (a Skylake-SP's level): attention by KV group over fp32
 # queries, bf16 caches held as rows, not pairs; also checked where the CPU has more.
 AVX512_CFLAGS = (*AVX2_CFLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -32,9 +33,9 @@ def unpack_int8_quads(packed: torch.Tensor) -> torch.Tensor:
 
 
 def build_kernels(flags: tuple[str, ...], folder: Path) -> native.NativeKernels:
-    compiler = native.find_compiler()
+    compiler = build.find_compiler()
     assert compiler is not None
-    return native.NativeKernels(native.compile_kernels(folder / "cpu_kernels.so", compiler, flags))
+    return native.NativeKernels(build.compile_kernels(folder / "cpu_kernels.so", compiler, flags))
 
 
 @pytest.fixture(scope="module", params=["native", "portable", "avx2", "avx512"])
@@ -59,7 +60,7 @@ def kernels(
         ):
             pytest.skip("this CPU does not run AVX-512")
         return build_kernels(AVX512_CFLAGS, tmp_path_factory.mktemp("avx512"))
-    return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
+    return build_kernels(build.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
 
 
 def _cpu_has(*flags: str) -> bool:
@@ -491,7 +492,7 @@ def test_kernels_refuse_tensors_they_would_misread(kernels: native.NativeKernels
 
 
 def test_cpu_linear_matches_f_linear_and_serves_its_rows(kernels: native.NativeKernels) -> None:
-    from stages.linear import CpuLinear
+    from stages.backend.cpu.linear import CpuLinear
 
     torch.manual_seed(3)
     weight = torch.randn(70, 48)
@@ -507,7 +508,7 @@ def test_cpu_linear_matches_f_linear_and_serves_its_rows(kernels: native.NativeK
 
 @pytest.fixture(scope="module")
 def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
-    return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("scalar"))
+    return build_kernels(build.PORTABLE_CFLAGS, tmp_path_factory.mktemp("scalar"))
 
 
 @pytest.mark.parametrize("head_dim", [16, 24])

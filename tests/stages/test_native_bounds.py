@@ -1,6 +1,6 @@
 """No caller can make the CPU kernels write (or read) outside the buffers it described.
 
-Every entry point of stages/cpu_kernels.c that takes cache slots, block ids, positions or row
+Every entry point of stages/backend/cpu/csrc/ that takes cache slots, block ids, positions or row
 ranges checks them all against the sizes it was given, once a call, before it writes anything,
 and the wrapper raises one sentence: an IndexError for an index, a ValueError for a count or a
 range, as the torch path raises them. Each test hands one entry point one bad value and checks
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import native
+from stages.backend.cpu import native
 from stages.batch import BLOCK_SIZE, SeqChunk
 from tests.stages.conftest import Chain
 
@@ -104,7 +104,7 @@ def fused_chain(tiny_dirs: dict[str, Path]) -> Chain:
 
 
 class _StepArrays:
-    """A decode step's metadata for the fused layers' `_Step`, as stages/cpu_decode.py lays it
+    """A decode step's metadata for the fused layers' `_Step`, as backend/cpu/kept_decode.py lays it
     out: int64 positions [n] and slots [n]; int32 q_start, q_len, ctx_len [n] and block tables
     [n, width]."""
 

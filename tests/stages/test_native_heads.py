@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from stages import fused_layer, native
+from stages.backend.cpu import build, fused_layer, native
 from tests.stages.conftest import Chain, drive_teacher_forced
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 from tests.stages.test_native import AVX2_CFLAGS, _cpu_has, build_kernels
@@ -42,7 +42,7 @@ def kernels(
         if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has("avx2", "fma"):
             pytest.skip("this CPU does not run AVX2 + FMA")
         return build_kernels(AVX2_CFLAGS, tmp_path_factory.mktemp("avx2"))
-    return build_kernels(native.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
+    return build_kernels(build.PORTABLE_CFLAGS, tmp_path_factory.mktemp("portable"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -259,21 +259,21 @@ def test_fused_layers_add_the_features_as_the_layer_calls_do(
 def test_a_build_is_keyed_by_every_c_and_h_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    compiler = native.find_compiler()
+    compiler = build.find_compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     folder = tmp_path / "csrc"  # a copy to edit, as a test of a modified kernel would
-    shutil.copytree(native.SOURCE_DIR, folder)
-    monkeypatch.setattr(native, "SOURCE_DIR", folder)
+    shutil.copytree(build.SOURCE_DIR, folder)
+    monkeypatch.setattr(build, "SOURCE_DIR", folder)
     monkeypatch.setenv("PPRING_CACHE", str(tmp_path / "cache"))
     built: list[Path] = []
-    monkeypatch.setattr(native, "compile_kernels", lambda target, *_: built.append(target))
-    names = {path.name for path in native.source_files()}
+    monkeypatch.setattr(build, "compile_kernels", lambda target, *_: built.append(target))
+    names = {path.name for path in build.source_files()}
     assert {"ppring.h", "attention.c", "layers.c", "ops.c"} <= names
-    first = native._build(compiler)
+    first = build.build(compiler)
     header = folder / "ppring.h"
     header.write_text(header.read_text() + "/* an edit */\n")
-    second = native._build(compiler)
+    second = build.build(compiler)
     (folder / "extra.c").write_text("int ppr_extra(void) { return 1; }\n")
-    third = native._build(compiler)
+    third = build.build(compiler)
     assert built == [first, second, third] and len({first, second, third}) == 3

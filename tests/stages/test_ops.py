@@ -1,12 +1,13 @@
-"""The rotary table NativeOps keeps across steps (stages/ops.py RopeTable) holds, row for row,
+"""The rotary table NativeOps keeps across steps (backend/cpu/ops.py RopeTable) holds, row for row,
 what computing each step's positions alone gives, bit for bit, as it grows."""
 
 from __future__ import annotations
 
 import torch
 
-from stages.llama import rope_inv_freq
-from stages.ops import RopeTable, _rope_fp32
+from stages.backend.cpu.ops import RopeTable
+from stages.backend.torch.ops import _rope_fp32
+from stages.models.blocks import rope_inv_freq
 
 
 def test_the_table_rows_equal_each_positions_own_computation_as_it_grows() -> None:

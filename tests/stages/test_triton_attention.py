@@ -1,4 +1,4 @@
-"""The GPU's paged decode attention (stages/triton_attention.py) against plain torch.
+"""The GPU's paged decode attention (stages/backend/cuda/triton_attention.py) against plain torch.
 
 On a CUDA machine the kernel runs compiled on the device; elsewhere, where Triton is installed,
 in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1), which checks the same kernel's
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from stages import triton_attention
+from stages.backend.cuda import triton_attention
 from stages.batch import BLOCK_SIZE
 
 needs_triton = pytest.mark.skipif(not triton_attention.available(), reason="needs Triton")

@@ -13,7 +13,7 @@ input lives in a static buffer that each step overwrites, and every shape is fix
   context longer than the static block table, runs eagerly.
 - padding rows write their K/V to a scratch block that no sequence owns (the stage allocates
   one block more than the ring agreed), read one key of it, and their outputs are cut off;
-- attention reads K/V through the static block table in place (stages/triton_attention.py on a
+- attention reads K/V through the static block table in place (backend/cuda/triton_attention.py on a
   GPU, the paged kernel on a CPU), looping to each row's own context length: a graph serves
   every step of its size, whatever the lengths. On a GPU, small sizes split each context into
   parts walked by separate programs (flash-decoding), so the device is not left mostly idle.
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages import triton_attention
+from stages.backend.cuda import triton_attention
 from stages.batch import BLOCK_SIZE, SeqChunk
 from stages.inputs import ForwardInputs, PagedAttn, staged
 

@@ -5,13 +5,13 @@ calls (the embedding rows, the layers, the greedy lm_head) and, on the general p
 more in the Python around them: `build_inputs`' lists, views and two tensors, ~25 torch ops in
 all, a ctypes struct built per call. That Python runs out of cache (the weights' 96 MB went
 through both cores' caches since the last step), so an op that costs 2-5 us timed alone costs
-10-20 us there (stages/ops.py RopeTable). A decode batch needs little of it: per sequence one
+10-20 us there (backend/cpu/ops.py RopeTable). A decode batch needs little of it: per sequence one
 token id, one position, one cache slot, one context length and a block table. Here:
 
 - those go into two `array`s, int64 and int32, C memory the kernels read by address: no tensor;
 - the step struct, the layers' scratch and a last stage's outputs are made once and kept;
 - the rotary rows are read from the stage's table at each position inside the kernel
-  (cpu_kernels.c rope_store_rows), not gathered per step;
+  (csrc/ops.c rope_store_rows), not gathered per step;
 - the last stage's greedy finish writes its scratch and tokens into buffers kept too.
 
 The kernels are the general path's, called on the same values in the same order, so tokens,
@@ -23,7 +23,7 @@ Zen 4): 1 row 4.43 -> 4.09 ms (faster in 94 of 100 blocks), 4 rows 5.60 -> 5.23 
 between them, took 3.81 ms against the general path's 4.28 in another such run.
 
 Used for a decode-only batch (one token a chunk, at most MAX_ROWS of them) on a stage whose
-layers run fused (stages/fused_layer.py), where the stage hands a seam on or, as the last
+layers run fused (backend/cpu/fused_layer.py), where the stage hands a seam on or, as the last
 stage, every row samples plain greedy (its tokens, or with the lm_head split its share of
 them). Anything else takes the general path.
 """
@@ -36,14 +36,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.backend.cpu.fused_layer import FusedLayers, GreedyHead, kv_address
+from stages.backend.cpu.linear import GridA8Linear
+from stages.backend.cpu.ops import NativeOps
 from stages.batch import BLOCK_SIZE, SeqChunk
-from stages.fused_layer import FusedLayers, GreedyHead, kv_address
 from stages.inputs import check_chunk
-from stages.linear import GridA8Linear
 
 if TYPE_CHECKING:
+    from stages.interface import StageModel
     from stages.kv_cache import KVCache
-    from stages.llama import LlamaStage
 
 
 class CpuDecodeStep:
@@ -53,7 +54,7 @@ class CpuDecodeStep:
 
     MAX_ROWS = FusedLayers.HELD_ROWS  # the layers' scratch is laid out for this many rows
 
-    def __init__(self, model: LlamaStage, fused: FusedLayers, kv: KVCache) -> None:
+    def __init__(self, model: StageModel, fused: FusedLayers, kv: KVCache) -> None:
         self.model = model
         self.fused = fused
         self.kv = kv  # (held: the kernels get its address)
@@ -74,7 +75,7 @@ class CpuDecodeStep:
         self._h_out_at = self._h_in_at + rows_bytes
         self._residual_out_at = self._h_out_at + rows_bytes
         # The default model's lookup: its tied lm_head's grid codes, decoded by one kernel call
-        # into the kept rows; None: the general path's (LlamaStage.embed).
+        # into the kept rows; None: the general path's (the model's embed).
         head = getattr(model, "lm_head", None)
         tied = model.is_first_stage and model.embed_tokens is None
         self._lookup_into = head.rows_into if tied and isinstance(head, GridA8Linear) else None
@@ -86,10 +87,10 @@ class CpuDecodeStep:
         return self.model.greedy_head if self.model.is_last_stage else None
 
     @classmethod
-    def build(cls, model: LlamaStage, kv: KVCache) -> CpuDecodeStep | None:
+    def build(cls, model: StageModel, kv: KVCache) -> CpuDecodeStep | None:
         """One for a stage whose layers run fused (a last stage's one-call greedy finish is
         looked up per step: `head`); None where the general path is the only one."""
-        if model.fused is None or not hasattr(model.ops, "rope_table"):
+        if not isinstance(model.fused, FusedLayers) or not isinstance(model.ops, NativeOps):
             return None
         return cls(model, model.fused, kv)
 

@@ -1,12 +1,14 @@
-"""Attention over the paged KV cache for a packed batch mixing prefill chunks and decodes.
+"""Attention over the paged KV cache for a packed batch mixing prefill chunks and decodes, as
+torch computes it (the gather way below); each backend's ops say which way a stage takes.
 
 Reads exactly the cache slots the block tables name (the metadata in `inputs.py` is built from
-them), so a block that belongs to no sequence in the batch is never touched. Two ways:
+them), so a block that belongs to no sequence in the batch is never touched. Three ways:
 
-- paged (CPU): `cpu_kernels.c` walks each sequence's block table and reads K and V in place, one
-  16-slot page at a time, with an online softmax; one call per layer for the whole batch.
-- paged (GPU, decode-only batches): the same walk as a Triton kernel (stages/triton_attention.py),
-  whose fixed-shape inputs a CUDA graph can replay.
+- paged (CPU, stages/backend/cpu/ops.py): the kernels walk each sequence's block table and read
+  K and V in place, one 16-slot page at a time, with an online softmax; one call per layer for
+  the whole batch.
+- paged (GPU, decode-only batches, stages/backend/cuda/ops.py): the same walk as a Triton kernel
+  (stages/backend/cuda/triton_attention.py), whose fixed-shape inputs a CUDA graph can replay.
 - gather (GPU, or a CPU without a C compiler): K and V of the named slots are gathered, in one
   index_select, into a dense tensor for PyTorch's SDPA. GQA is handled by `enable_gqa`: K/V stay
   at h_kv heads, never expanded to h.
@@ -20,32 +22,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages import native, triton_attention
 from stages.inputs import ForwardInputs
 
 
-def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs) -> torch.Tensor:
+def gather_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+) -> torch.Tensor:
     """q: [T, h, d] (rotary applied); kv_layer: [2, slots, h_kv, d], this layer's K and V with
     this forward's tokens already written. Returns [T, h, d]."""
-    paged = inputs.paged
-    if paged is not None and q.is_cuda:
-        if paged.max_q_len != 1:
-            raise ValueError("the GPU's paged attention takes decode-only batches")
-        return triton_attention.paged_decode(
-            q, kv_layer, paged.block_table, paged.ctx_len, q.shape[-1] ** -0.5, paged.num_splits
-        )
-    if paged is not None:
-        kernels = native.kernels()
-        assert kernels is not None  # the stage chose "paged" only where they are built
-        return kernels.paged_attention(
-            q,
-            kv_layer,
-            paged.q_start,
-            paged.q_len,
-            paged.ctx_len,
-            paged.block_table,
-            q.shape[-1] ** -0.5,
-        )
     groups = inputs.decode_groups
     if not inputs.prefills and len(groups) == 1 and groups[0].rows is None:
         # Pure decode batch of similar lengths: one call, no scatter.

@@ -1,7 +1,7 @@
 """Decode attention on a GPU that reads the paged KV cache in place, as a Triton kernel.
 
 Why a kernel of our own: a decode step is launch-bound on a GPU (issue 13), and the torch path
-(stages/attention.py, "gather") builds a padded copy of every context with shapes that change
+(backend/torch/attention.py, "gather") builds a padded copy of every context with shapes that change
 every step, which no CUDA graph can replay. This kernel takes fixed-shape inputs (the batch's
 block table [B, max_blocks] and context lengths [B]) and loops over each context's pages on the
 device, so one captured launch serves every step of a batch size, whatever the lengths.
@@ -89,7 +89,7 @@ def splits_for(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    """Asked once: graph steps cut their inputs every replay (stages/cuda_graphs.py)."""
+    """Asked once: graph steps cut their inputs every replay (stages/backend/cuda/graphs.py)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

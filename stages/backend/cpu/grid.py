@@ -11,140 +11,30 @@ A matrix is taken only if every one of its weights is reproduced exactly: d and 
 per block (m is the block's minimum; d one of the few fp16 values next to (max - m) / 15, or to
 max |w| / 127), every weight is checked against d * q (+ m), and the stage checks the kernel's
 own decoding of the codes against the weight bit for bit before it uses them
-(stages/linear.py). Anything else, random test weights included, stays fp32.
+(stages/backend/cpu/linear.py). Anything else, random test weights included, stays fp32.
 
-The codes are laid out per panel of 16 output channels, as cpu_kernels.c reads them:
+The codes are laid out per panel of 16 output channels, as csrc/ reads them:
 `GridCodes` for the fp32 kernel (ppr_linear_grid documents the layout); for a bf16 stage,
 `GridQuads` for the kernel that multiplies them by int8-quantized rows (ppr_linear_grid_a8, the
 default) and `GridPairs` for the one that decodes them into the fp32 weights rounded to bf16
 (ppr_linear_grid_bf16; a stage holds the bf16 panels as well then, and reads them for more than a
-few rows: stages/linear.py). `PPRING_GRID_WEIGHTS=0` turns them all off.
+few rows: stages/backend/cpu/linear.py). `PPRING_GRID_WEIGHTS=0` turns them all off.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from stages.native import NativeKernels
+from stages.backend.cpu.codes import BLOCK, PANEL, GridCodes, GridPairs, GridQuads
+from stages.backend.cpu.native import NativeKernels
 
-BLOCK = 32  # weights per scale along a row (GGUF's QK4_1 and QK8_0)
-PANEL = 16  # output channels per panel (cpu_kernels.c)
 DISABLE_ENV = "PPRING_GRID_WEIGHTS"  # "0": keep every weight as fp32 panels
 # fp16 neighbours of the estimated d that are tried, in ulps (the estimate from the rounded
 # weights can land a step or two away from the d the file held)
 _ULP_STEPS = (0, -1, 1, -2, 2)
 _QUICK_ROWS = 16  # rows checked first, so a matrix off every grid is rejected cheaply
-
-
-@dataclass(frozen=True)
-class _Codes:
-    """A weight [N, K] as grid codes in one of the kernels' layouts (the subclasses)."""
-
-    bits: int  # 4 (Q4_1) or 8 (Q8_0)
-    codes: torch.Tensor
-    scale: torch.Tensor  # [P, K / 32, 16]: d
-    offset: torch.Tensor | None  # [P, K / 32, 16]: m (4 bits), None (8 bits)
-    out_features: int  # N
-
-    WHAT: ClassVar[str]  # for the error
-    SCALE_DTYPE: ClassVar[torch.dtype]
-    K_PER_ROW: ClassVar[int]  # K per row of codes along axis 1
-
-    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        raise NotImplementedError
-
-    def __post_init__(self) -> None:
-        """The kernels read these tensors' raw memory, so their shapes and dtypes are checked
-        once, here (the dataclass is frozen), not on every call."""
-        panels = -(-self.out_features // PANEL)
-        k = self.in_features if self.codes.dim() == 3 else -1
-        code_dtype, code_shape = self._code_layout(panels, k)
-        scales = (panels, k // BLOCK, PANEL)
-        tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
-        if (
-            self.bits not in (4, 8)
-            or k % BLOCK
-            or self.codes.dtype != code_dtype
-            or tuple(self.codes.shape) != code_shape
-            or tuple(self.scale.shape) != scales
-            or self.scale.dtype != self.SCALE_DTYPE
-            or (self.offset is None) != (self.bits == 8)
-            or (self.offset is not None and tuple(self.offset.shape) != scales)
-            or (self.offset is not None and self.offset.dtype != self.SCALE_DTYPE)
-            or not all(t.is_contiguous() and t.is_cpu for t in tensors)
-        ):
-            raise ValueError(f"{self.WHAT} do not fit K = {k} and N = {self.out_features}")
-
-    @property
-    def in_features(self) -> int:
-        return self.K_PER_ROW * self.codes.shape[1]  # K
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    @property
-    def name(self) -> str:
-        return "Q4_1" if self.bits == 4 else "Q8_0"
-
-
-@dataclass(frozen=True)
-class GridCodes(_Codes):
-    """In the panel layout of cpu_kernels.c's fp32 grid matmul (ppr_linear_grid): codes uint8
-    [P, K, 8] (4 bits) or int8 [P, K, 16] (8 bits); d and m fp32."""
-
-    WHAT: ClassVar[str] = "grid codes"
-    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float32
-    K_PER_ROW: ClassVar[int] = 1
-
-    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        return (torch.uint8, (panels, k, 8)) if self.bits == 4 else (torch.int8, (panels, k, 16))
-
-
-@dataclass(frozen=True)
-class GridPairs(_Codes):
-    """In the layout of cpu_kernels.c's bf16 grid matmul (ppr_linear_grid_bf16): per panel of
-    16 channels and K pair, the codes in the lane order their decoding lands in, uint8
-    [P, K / 2, 16] (4 bits) or int8 [P, K / 2, 32] (8 bits); d and m as the fp16 numbers
-    they are."""
-
-    WHAT: ClassVar[str] = "grid pairs"
-    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float16
-    K_PER_ROW: ClassVar[int] = 2
-
-    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        if self.bits == 4:
-            return torch.uint8, (panels, k // 2, PANEL)
-        return torch.int8, (panels, k // 2, 2 * PANEL)
-
-
-@dataclass(frozen=True)
-class GridQuads(_Codes):
-    """In the layout of cpu_kernels.c's int8-activation grid matmul (ppr_linear_grid_a8): per
-    panel of 16 channels, groups of 64 bytes, byte 4 c + j for channel c, so that vpdpbusd sums
-    four products per channel lane. uint8 [P, K / 8, 64] (4 bits: a group holds 8 k, k 0-3 in
-    the low nibbles, 4-7 in the high ones) or [P, K / 4, 64] (8 bits: q + 128); d and m as the
-    fp16 numbers they are."""
-
-    WHAT: ClassVar[str] = "grid quads"
-    SCALE_DTYPE: ClassVar[torch.dtype] = torch.float16
-
-    def _code_layout(self, panels: int, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        return torch.uint8, (panels, k // (8 if self.bits == 4 else 4), 4 * PANEL)
-
-    @property
-    def in_features(self) -> int:  # K: a group holds 8 k (4 bits) or 4 (8 bits)
-        return (8 if self.bits == 4 else 4) * self.codes.shape[1]
-
-
-def enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -245,7 +135,7 @@ def rows_of(grid: GridCodes, ids: torch.Tensor) -> torch.Tensor:
 
 
 def pack_quads(found: Found, out_features: int) -> GridQuads:
-    """The codes in the int8-activation kernel's layout (GridQuads; cpu_kernels.c documents
+    """The codes in the int8-activation kernel's layout (GridQuads; csrc/ documents
     it)."""
     q, (n, k) = found.q, found.q.shape
     rows = -(-out_features // PANEL) * PANEL
@@ -284,7 +174,7 @@ def quad_rows(quads: GridQuads, ids: torch.Tensor) -> torch.Tensor:
 
 
 def pack_pairs(found: Found, out_features: int) -> GridPairs:
-    """The codes in the bf16 kernel's layout (GridPairs; cpu_kernels.c documents it)."""
+    """The codes in the bf16 kernel's layout (GridPairs; csrc/ documents it)."""
     q, (n, k) = found.q, found.q.shape
     rows = -(-out_features // PANEL) * PANEL
     padded = torch.zeros((rows, k), dtype=torch.int8)

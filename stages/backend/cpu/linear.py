@@ -3,22 +3,22 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 
 - `DenseLinear`: torch's F.linear (cuBLAS on a GPU; oneDNN on a CPU in bf16, which uses AMX or
   AVX-512 BF16 where the CPU has them).
-- `CpuLinear` (CPU, fp32): `cpu_kernels.c` over the weight packed once, at load, in panels of 16
-  output channels (the only copy held). One kernel for every row count: a panel streams from
+- `CpuLinear` (CPU, fp32): the kernels (`csrc/`) over the weight packed once, at load, in panels of
+  16 output channels (the only copy held). One kernel for every row count: a panel streams from
   memory once per call and every block of up to six rows reuses it from cache. It replaced two
   paths, a row-major kernel for a few rows and oneDNN's prepacked weights (a second copy of
   every weight) above: over a SmolLM2 step's matmuls on the 2-core EPYC it was 10-45% faster at
-  every row count from 1 to 512 (figures in cpu_kernels.c), and one thread at 16 rows, what a
+  every row count from 1 to 512 (figures in csrc/), and one thread at 16 rows, what a
   PP=2 stage runs at 32 in flight, gained the most.
 - `GridLinear` (CPU, fp32): a weight that lies exactly on a GGUF Q4_1 or Q8_0 grid (a
   checkpoint converted from GGUF, as the default model is) held as its codes, each panel decoded
-  back into the same fp32 values just before it is multiplied (stages/grid.py): the same
+  back into the same fp32 values just before it is multiplied (stages/backend/cpu/grid.py): the same
   results as `CpuLinear`, from 5.3x (Q4_1) or 3.6x (Q8_0) fewer bytes. Over all of SmolLM2's
   matmuls on the 2-core EPYC (medians of 7 alternated rounds): 1 row 27.2 -> 12.6 ms (a
   single row decodes the codes straight into its FMAs), 16 rows 68.7 -> 56.1, 64 rows 139.9
   -> 130.8 and 176.3 -> 150.6, 512 rows 1599 -> 1182.
 - `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): the weight packed for
-  vdpbf16ps and multiplied by `cpu_kernels.c` at every row count (faster than oneDNN at each,
+  vdpbf16ps and multiplied by the kernels (`csrc/`) at every row count (faster than oneDNN at each,
   and a row's result does not depend on what it is batched with).
 - `GridBf16Linear` (CPU, bf16, AVX512_BF16; `PPRING_GRID_ACTIVATIONS=bf16`, or a CPU without
   VNNI): a weight whose checkpoint values lie on a GGUF grid, held as its codes, decoded pair by
@@ -31,7 +31,7 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   (`source_dtype`).
 - `GridA8Linear` (CPU, bf16, AVX512_BF16 and AVX512_VNNI; the default for a weight on a GGUF
   grid): the codes alone, times each row of x quantized to int8 per block of 32, summed in
-  integers (cpu_kernels.c ppr_linear_grid_a8), as llama.cpp multiplies Q4_1 and Q8_0, by
+  integers (csrc/matmul_a8.c ppr_linear_grid_a8), as llama.cpp multiplies Q4_1 and Q8_0, by
   default in two passes over x (the second over what the first missed: bf16's accuracy, at up
   to twice the integer work; `PPRING_GRID_ACTIVATIONS=int8` for one pass). One pass, all of
   SmolLM2's matmuls, 2 threads, Zen 4 EPYC, 9 alternated rounds, medians, ms, against the bf16
@@ -51,39 +51,27 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from stages import grid
+from stages.backend.cpu import grid
+from stages.backend.cpu.codes import GridCodes, GridPairs, GridQuads
+from stages.backend.cpu.grid import quad_rows, rows_of
+from stages.backend.cpu.native import PANEL, NativeKernels
+from stages.backend.switches import (
+    GRID_ACTIVATIONS_ENV,
+    Switches,
+    grid_activations,
+    grid_weights_on,
+)
+from stages.backend.torch.linear import DenseLinear
 from stages.errors import ConfigError
-from stages.grid import GridCodes, GridPairs, GridQuads, quad_rows, rows_of
-from stages.native import PANEL, NativeKernels
 
 QUANTIZATIONS = ("none", "int8")
 
 
-class DenseLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor | nn.Parameter) -> None:
-        super().__init__()
-        self.weight = (
-            weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
-        )  # [N, K]
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]  # K
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)  # [T, K] -> [T, N]
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the weight, [T, K]: a tied lm_head serves the embedding lookup."""
-        return F.embedding(ids, self.weight)
-
-
 class CpuBf16Linear(nn.Module):
     """A bf16 weight on a CPU with AVX512_BF16, packed once at load for vdpbf16ps (panels of 16
-    output channels, K pairs adjacent; the only copy held) and multiplied by `cpu_kernels.c`
+    output channels, K pairs adjacent; the only copy held) and multiplied by the kernels (`csrc/`)
     at every row count: faster than oneDNN at each one measured (1 row 13.8 -> 7.9 ms over a
     SmolLM2 step's matmuls, 32 rows 22.8 -> 18.4, 512 rows 221 -> 187), and a row's result does
     not depend on the rows batched with it."""
@@ -161,7 +149,7 @@ class _HeldAsCodes(nn.Module):
 
 
 class GridLinear(_HeldAsCodes):
-    """An fp32 weight that lies on a GGUF grid (stages/grid.py), held as its codes: the same
+    """An fp32 weight that lies on a GGUF grid (backend/cpu/grid.py), held as its codes: the same
     values as CpuLinear's panels, read in 3.6-5.3x fewer bytes."""
 
     grid: GridCodes
@@ -187,8 +175,6 @@ def _from_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 def grid_linear(weight: torch.Tensor, kernels: NativeKernels) -> GridLinear | None:
     """GridLinear for `weight` [N, K] if it lies on a grid and the kernel decodes its codes to
     exactly the weight, bit for bit (else None: keep the fp32 panels)."""
-    if not grid.enabled():
-        return None
     weight = weight.detach()
     found = grid.find_grid(weight, kernels)
     if found is None or not torch.equal(kernels.unpack_grid(found), kernels.pack_f32(weight)):
@@ -221,8 +207,8 @@ def code_rows_for(threads: int) -> int:
 
 
 class GridBf16Linear(_HeldAsCodes):
-    """A bf16 weight whose fp32 source lies on a GGUF grid (stages/grid.py), held twice: as its
-    codes, decoded pair by pair into the products (cpu_kernels.c ppr_linear_grid_bf16), and as
+    """A bf16 weight whose fp32 source lies on a GGUF grid (backend/cpu/grid.py), held twice: as its
+    codes, decoded pair by pair into the products (csrc/matmul_bf16.c ppr_linear_grid_bf16), and as
     the bf16 panels CpuBf16Linear holds. Both give the same results bit for bit, so which one a
     call reads is a matter of speed alone, chosen by its rows (`code_rows`): the codes for a
     few rows, where reading 0.625 (Q4_1) or 1.06 (Q8_0) bytes a weight instead of 2 is the
@@ -268,7 +254,7 @@ class GridBf16Linear(_HeldAsCodes):
 def _found_codes(weight: torch.Tensor, kernels: NativeKernels) -> grid.Found | None:
     """The grid codes of a bf16 stage's matrix loaded in fp32 (the checkpoint's values), or
     None: codes turned off, a weight already rounded (bf16), or one off every grid."""
-    if not grid.enabled() or weight.dtype != torch.float32:
+    if weight.dtype != torch.float32:
         return None
     return grid.find_codes(weight.detach(), kernels)
 
@@ -289,7 +275,7 @@ class GridA8Linear(_HeldAsCodes):
     """A bf16 weight whose fp32 source lies on a GGUF grid, held as its codes alone and
     multiplied as llama.cpp multiplies them: each row of x quantized to int8 per block of 32
     (by default in two passes, the second over what the first missed), the codes times it
-    summed in integers (cpu_kernels.c ppr_linear_grid_a8). One pass is a quarter of
+    summed in integers (csrc/matmul_a8.c ppr_linear_grid_a8). One pass is a quarter of
     GridBf16Linear's work per weight at every row count, from 0.625 (Q4_1) or 1.06 (Q8_0) bytes
     a weight, and no bf16 panels held: all of SmolLM2's matmuls, 2 threads, Zen 4 EPYC (random
     codes of its shapes against the bf16 panels, 9 alternated rounds, medians): 1 row 3.7 /
@@ -315,7 +301,7 @@ class GridA8Linear(_HeldAsCodes):
 
     def rows_into(self, ids_at: int, out_at: int, rows: int) -> None:
         """`rows` over raw addresses: ids [rows] int64 at ids_at, into out [rows, K] bf16 at
-        out_at (stages/cpu_decode.py's kept rows)."""
+        out_at (stages/backend/cpu/kept_decode.py's kept rows)."""
         self.kernels.grid_a8_rows_at(self.grid, ids_at, out_at, rows)
 
     def dense_weight(self) -> torch.Tensor:
@@ -323,31 +309,15 @@ class GridA8Linear(_HeldAsCodes):
         return self.rows(torch.arange(self.out_features))
 
 
-GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"  # "int8x2" (the default), "int8" or "bf16"
 # GridA8Linear's passes over x for each way that multiplies the codes by int8 activations
 A8_PASSES = {"int8x2": 2, "int8": 1}
 
 
-def grid_activations() -> str:
-    """How a bf16 stage multiplies weights held as grid codes: "int8x2" (GridA8Linear, each row
-    of x quantized to int8 in two passes: the accuracy of bf16), "int8" (one pass, as llama.cpp
-    does: up to twice as fast where the matmuls bind, ~3.6x bf16's KL divergence from fp32) or
-    "bf16" (GridBf16Linear: the codes decoded to bf16, the same results as the bf16 panels)."""
-    value = os.environ.get(GRID_ACTIVATIONS_ENV, "int8x2").strip().lower()
-    if value not in ("int8x2", "int8", "bf16"):
-        raise ConfigError(
-            f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8x2 (codes times int8 "
-            "activations in two passes, the default), int8 (one pass, as llama.cpp) or bf16 "
-            "(codes decoded to bf16)"
-        )
-    return value
-
-
-def bf16_grid_way(kernels: NativeKernels) -> str:
+def bf16_grid_way(kernels: NativeKernels, activations: str | None = None) -> str:
     """How a bf16 stage over these kernels multiplies weights held as grid codes: "int8x2" or
-    "int8" (GridA8Linear: needs VNNI) as PPRING_GRID_ACTIVATIONS says, else "bf16"
-    (GridBf16Linear)."""
-    way = grid_activations()
+    "int8" (GridA8Linear: needs VNNI) as `activations` (None: PPRING_GRID_ACTIVATIONS now) says,
+    else "bf16" (GridBf16Linear)."""
+    way = activations or grid_activations()
     return way if kernels.a8_dot and way in A8_PASSES else "bf16"
 
 
@@ -363,14 +333,14 @@ def _grid_a8_linear(
 
 
 def grid_bf16_stage_linear(
-    weight: torch.Tensor, kernels: NativeKernels
+    weight: torch.Tensor, kernels: NativeKernels, activations: str | None = None
 ) -> GridA8Linear | GridBf16Linear | None:
     """A bf16 stage's module for `weight` [N, K] (fp32, the checkpoint's values) held as its
     grid codes, the way `bf16_grid_way` says (the codes found once); None off every grid."""
     found = _found_codes(weight, kernels)
     if found is None:
         return None
-    way = bf16_grid_way(kernels)
+    way = bf16_grid_way(kernels, activations)
     if way in A8_PASSES:
         held = _grid_a8_linear(found, weight, kernels, A8_PASSES[way])
         if held is not None:
@@ -402,7 +372,7 @@ class Int8Linear(nn.Module):
 def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] int8 (N % 4 = K % 32 = 0) -> [N, K] whose memory holds each 4 rows as blocks
     of 32 columns, the four rows' 32 bytes back to back ([N / 4, K / 32, 4, 32]): a quad of rows
-    is then one run of memory for cpu_kernels.c ppr_linear_int8_quads, not four."""
+    is then one run of memory for csrc/matmul_int8.c ppr_linear_int8_quads, not four."""
     n, k = q.shape
     return q.view(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous().view(n, k)
 
@@ -420,27 +390,33 @@ def make_linear(
     quantization: str,
     kernels: NativeKernels | None,
     dtype: torch.dtype | None = None,
+    switches: Switches | None = None,
 ) -> nn.Module:
     """The module for one weight matrix [N, K] of a stage computing in `dtype` (None: the
     weight's own). A bf16 stage may hand the checkpoint's fp32 weight (see `source_dtype`), so
     that a weight on a GGUF grid can be found and held as its codes. `kernels` None means they
-    are not available (or not wanted: a GPU stage)."""
+    are not available (or not wanted: a GPU stage). `switches`: the backend's (None: read from
+    the environment now)."""
     dtype = dtype or weight.dtype
+    switches = switches or Switches.read()
+    grids = switches.grid_weights
     on_cpu = kernels is not None and weight.device.type == "cpu"
     if quantization == "int8":
         assert kernels is not None  # check_quantization ran at start-up
         return Int8Linear(weight, kernels)
     if on_cpu and dtype == torch.float32:
-        return grid_linear(weight, kernels) or CpuLinear(weight, kernels)
+        return (grids and grid_linear(weight, kernels)) or CpuLinear(weight, kernels)
     if on_cpu and dtype == torch.bfloat16 and kernels.bf16_dot:
-        return grid_bf16_stage_linear(weight, kernels) or CpuBf16Linear(
-            weight.to(torch.bfloat16), kernels
-        )
+        held = grids and grid_bf16_stage_linear(weight, kernels, switches.grid_activations)
+        return held or CpuBf16Linear(weight.to(torch.bfloat16), kernels)
     return DenseLinear(weight.to(dtype))
 
 
 def source_dtype(
-    dtype: torch.dtype, quantization: str, kernels: NativeKernels | None
+    dtype: torch.dtype,
+    quantization: str,
+    kernels: NativeKernels | None,
+    switches: Switches | None = None,
 ) -> torch.dtype:
     """The dtype a stage loads its matmul weights in: fp32 for a bf16 stage whose kernels
     multiply bf16 themselves (weights on a grid are found in the checkpoint's fp32 values, then
@@ -450,7 +426,7 @@ def source_dtype(
         and quantization == "none"
         and kernels is not None
         and kernels.bf16_dot
-        and grid.enabled()
+        and (switches.grid_weights if switches else grid_weights_on())
     ):
         return torch.float32
     return dtype
@@ -470,3 +446,41 @@ def check_quantization(
         )
     if kernels is None:
         raise ConfigError(f"--quantization int8 needs ppring's CPU kernels, but {reason}")
+
+
+def describe_matrices(modules: list[nn.Module], dtype: torch.dtype) -> str:
+    """How a CPU stage holds its fp32 or bf16 matrices (`modules`: all of the stage's), for the
+    start-up log."""
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    coded = (GridLinear, GridBf16Linear, GridA8Linear)
+    grids = [m.grid.name for m in modules if isinstance(m, coded)]
+    kinds = (CpuLinear, CpuBf16Linear, *coded)
+    total = sum(isinstance(m, kinds) for m in modules)
+    if not total:
+        return f"{name}, multiplied by torch"
+    if not grids:
+        return f"{name}, packed in panels for the kernels"
+    counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
+    rest = "" if len(grids) == total else ", the rest packed in panels"
+    both = [m.code_rows for m in modules if isinstance(m, GridBf16Linear)]
+    if any(isinstance(m, GridA8Linear) for m in modules):
+        passes = max(m.passes for m in modules if isinstance(m, GridA8Linear))
+        also = (
+            ", multiplied by int8 activations (per 32, as llama.cpp does; "
+            f"{GRID_ACTIVATIONS_ENV}=bf16 for the bf16 panels' results)"
+            if passes == 1
+            else ", multiplied by activations quantized to int8 per 32 in two passes (bf16's "
+            f"accuracy; {GRID_ACTIVATIONS_ENV}=int8 for one, as llama.cpp does)"
+        )
+    else:
+        also = f" and as panels (codes read up to {max(both)} rows)" if both else ""
+    return (
+        f"{name}, {len(grids)} of {total} matrices held losslessly as GGUF codes ({counts})"
+        f"{also}{rest}"
+    )
+
+
+def bytes_unread(modules: list[nn.Module], rows: int) -> int:
+    """Of the bytes `modules` hold, what a forward of `rows` rows does not read: a matrix held
+    both as codes and as bf16 panels (GridBf16Linear) reads one of them."""
+    return sum(m.bytes_unread(rows) for m in modules if isinstance(m, GridBf16Linear))

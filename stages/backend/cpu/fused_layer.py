@@ -1,4 +1,4 @@
-"""A stage's decoder layers in one kernel call (cpu_kernels.c `ppr_decoder_layers`).
+"""A stage's decoder layers in one kernel call (csrc/layers.c `ppr_decoder_layers`).
 
 A layer is nine kernel calls (two norms, four matmuls, RoPE and the cache store, attention,
 SiLU): called one by one from Python, each pays for a module call, torch.empty, checks and a
@@ -6,7 +6,7 @@ ctypes call, ~70 us a layer on the 2-core EPYC, which at one row is as much time
 the layer's matmuls. Here the weights' pointers and shapes are put into C structs once, at
 load; a forward allocates its scratch once for all layers and makes one ctypes call for all of
 them. The C side runs the same kernels in the same order on the same values, so the output is
-bit for bit what DecoderLayer.forward computes (tests/stages/test_fused_layer.py holds it to
+bit for bit what LayerWeights.forward computes (tests/stages/test_fused_layer.py holds it to
 that).
 
 Used where every piece is a CPU kernel: NativeOps, paged attention, and every matrix in one of
@@ -18,14 +18,14 @@ the argmax, and with the lm_head split each stage's part of them.
 from __future__ import annotations
 
 import ctypes
-import os
 from array import array
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from stages.linear import (
+from stages.backend.cpu.calls import _ELEM_BYTES, _grid_pointers
+from stages.backend.cpu.linear import (
     CpuBf16Linear,
     CpuLinear,
     GridA8Linear,
@@ -33,16 +33,16 @@ from stages.linear import (
     GridLinear,
     Int8Linear,
 )
-from stages.native import _ELEM_BYTES, NativeKernels, _grid_pointers
+from stages.backend.cpu.native import NativeKernels
 
 if TYPE_CHECKING:
     from stages.inputs import ForwardInputs
+    from stages.interface import LayerWeights
     from stages.kv_cache import KVCache
-    from stages.llama import DecoderLayer
 
-DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel
+DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel (switches.py)
 
-# cpu_kernels.c's enum of matrix kinds
+# csrc/ppring.h's enum of matrix kinds
 _F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8, _INT8_QUADS, _GRID_A8_1 = range(1, 9)
 
 
@@ -109,10 +109,6 @@ class _Step(ctypes.Structure):
     ]
 
 
-def enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "1") != "0"
-
-
 def _check_mirrors(kernels: NativeKernels) -> None:
     """The structs above mirror the kernels' (stages/backend/cpu/csrc/ppring.h) by hand: a
     field added, moved or retyped on one side alone would make C read that field or a later
@@ -121,7 +117,7 @@ def _check_mirrors(kernels: NativeKernels) -> None:
     ours = tuple(ctypes.sizeof(struct) for struct in mirrors)
     if ours != kernels.struct_sizes:
         raise RuntimeError(
-            f"stages/fused_layer.py's ctypes structs (sizes {ours}) do not match "
+            f"stages/backend/cpu/fused_layer.py's ctypes structs (sizes {ours}) do not match "
             f"ppring.h's ({kernels.struct_sizes}): update them together"
         )
     c_names = ("ppr_linear_t", "ppr_layer_t", "ppr_step_t")
@@ -134,12 +130,13 @@ def _check_mirrors(kernels: NativeKernels) -> None:
             if mine != their:
                 field = names[i] if i < len(names) else f"#{i} (none here)"
                 raise RuntimeError(
-                    f"stages/fused_layer.py's {struct.__name__} field {field} lies at offset "
-                    f"{mine}, ppring.h's {c_name} field {i} at {their}: update them together"
+                    f"stages/backend/cpu/fused_layer.py's {struct.__name__} field {field} lies "
+                    f"at offset {mine}, ppring.h's {c_name} field {i} at {their}: update them "
+                    "together"
                 )
 
 
-# (module class, stage dtype) -> cpu_kernels.c's kind; int8 runs in either dtype
+# (module class, stage dtype) -> ppring.h's kind; int8 runs in either dtype
 _KINDS = {
     (CpuLinear, torch.float32): _F32,
     (GridLinear, torch.float32): _GRID_F32,
@@ -153,7 +150,7 @@ _KINDS = {
 _EXTRAS = ("qkv_bias", "o_bias", "q_norm", "k_norm")
 
 
-def _projections(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+def _projections(layer: LayerWeights) -> tuple[nn.Module, ...]:
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
@@ -185,7 +182,7 @@ class FusedLayers:
 
     def __init__(
         self,
-        layers: list[DecoderLayer],
+        layers: list[LayerWeights],
         matrices: list[list[_Linear]],
         kernels: NativeKernels,
         dtype: torch.dtype,
@@ -225,10 +222,10 @@ class FusedLayers:
 
     @classmethod
     def build(
-        cls, layers: list[DecoderLayer], kernels: NativeKernels | None, dtype: torch.dtype
+        cls, layers: list[LayerWeights], kernels: NativeKernels | None, dtype: torch.dtype
     ) -> FusedLayers | None:
         """FusedLayers where every layer can run as one call, else None (the Python path)."""
-        if not enabled() or kernels is None or not layers or dtype not in _ELEM_BYTES:
+        if kernels is None or not layers or dtype not in _ELEM_BYTES:
             return None
         matrices = [[_linear(proj, dtype) for proj in _projections(layer)] for layer in layers]
         if any(spec is None for four in matrices for spec in four):
@@ -304,7 +301,7 @@ class FusedLayers:
     def step_struct(self, num_slots: int, scratch: list[int], max_tokens: int) -> _Step:
         """A `_Step` of this stage's fixed fields (the cache's slots, the attention scale, the
         scratch addresses from `scratch_for(max_tokens)`), the per-step ones zero:
-        stages/cpu_decode.py keeps one and fills those each step."""
+        stages/backend/cpu/kept_decode.py keeps one and fills those each step."""
         step = _Step()
         step.elem_bytes, step.num_slots = _ELEM_BYTES[self.dtype], num_slots
         step.max_tokens = max_tokens
@@ -322,7 +319,7 @@ class FusedLayers:
     def _scratch(self, num_tokens: int) -> tuple[torch.Tensor, list[int]]:
         """A buffer and, in _Step's order, the addresses in it of every layer's temporaries
         for `num_tokens` rows (`_layout`). Up to HELD_ROWS rows the buffer is kept from step to
-        step: nine allocations a step cost a single stream ~60 us (stages/ops.py RopeTable
+        step: nine allocations a step cost a single stream ~60 us (backend/cpu/ops.py RopeTable
         says why small things cost that much there)."""
         sizes = self._scratch_sizes(num_tokens)
         needed = self._scratch_elems(sizes)
@@ -399,7 +396,7 @@ class GreedyHead:
     of plain greedy requests), in one call of ppr_greedy_head: the kernels the step otherwise
     calls one by one, so the tokens are the same. What goes is their Python: wrappers,
     allocations and checks, ~100 us a call on the 2-core Zen 4, where code runs out of cache
-    between weight streams (stages/ops.py RopeTable). Three finishes:
+    between weight streams (stages/backend/cpu/ops.py RopeTable). Three finishes:
 
     - `tokens`: the last stage of a whole lm_head: final norm, lm_head, argmax;
     - `share`: the last stage of a split lm_head: final norm, its rows' logits, their maxima;
@@ -434,7 +431,7 @@ class GreedyHead:
         dtype: torch.dtype, token_base: int, kernels: NativeKernels | None,
     ) -> GreedyHead | None:  # fmt: skip
         """GreedyHead where the kernels hold the lm_head, else None (the step's calls)."""
-        if not enabled() or kernels is None or dtype not in _ELEM_BYTES:
+        if kernels is None or dtype not in _ELEM_BYTES:
             return None
         head = _linear(lm_head, dtype)
         if head is None:
@@ -448,7 +445,7 @@ class GreedyHead:
         return out
 
     def tokens_at(self, h_at: int, residual_at: int, rows: int) -> list[int]:
-        """`tokens` over raw rows (stages/cpu_decode.py's buffers): h and residual [rows, d]
+        """`tokens` over raw rows (backend/cpu/kept_decode.py's buffers): h and residual [rows, d]
         in the stage dtype at h_at and residual_at, rows at most HELD_ROWS; the scratch and
         the tokens go to buffers kept between calls. Returns each row's greedy token."""
         self._finish_at(h_at, residual_at, rows, None, self._kept()[1], None)

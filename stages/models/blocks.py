@@ -1,6 +1,9 @@
-"""A Llama pipeline stage: embedding (first stage), layers [start, end), final norm + lm_head
-(last stage). What computes each piece (ppring's CPU kernels, torch) is the stage's
-`Kind`, chosen once when it is built; the layer code is the same for all of them.
+"""The blocks every family is built from (DESIGN.md §13): a pipeline stage holds the embedding
+(first stage), decoder layers [start, end), the final norm and lm_head (last stage). What a
+family's layers add to Llama's comes from its `LayerSpec` (stages/layer_spec.py, read by its
+file in stages/models/); what computes each piece is the stage's backend (stages/interface.py
+LayerBackend), chosen once when the stage starts: the block code is the same for all of them
+and imports none.
 
 The residual add is fused into the next RMSNorm, as in vLLM and SGLang: a layer takes (h, r),
 computes r' = h + r and x = rmsnorm(r'), and returns its output with r'. That is why a non-last
@@ -12,47 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.attention import paged_attention
 from stages.config import ModelConfig, RopeScaling
-from stages.fused_layer import FusedLayers, GreedyHead
 from stages.inputs import ForwardInputs, on_device
+from stages.interface import CompiledLayers, GreedyFinish, LayerBackend
 from stages.kv_cache import KVCache
-from stages.linear import make_linear
-from stages.native import NativeKernels
-from stages.ops import NativeOps, Ops, TorchOps
 from stages.weights import EMBED, FINAL_NORM, LM_HEAD
-
-
-@dataclass(frozen=True)
-class Kind:
-    """How this stage computes, chosen once when it is built: the small ops (torch or the CPU
-    kernels), and what multiplies by a weight (see stages/linear.py)."""
-
-    ops: Ops
-    kernels: NativeKernels | None  # the CPU kernels, where this stage uses them
-    quantization: str = "none"
-    dtype: torch.dtype | None = None  # what the stage computes in (None: its weights' dtype)
-
-    @classmethod
-    def build(
-        cls,
-        kernels: NativeKernels | None = None,
-        quantization: str = "none",
-        dtype: torch.dtype | None = None,
-    ) -> Kind:
-        """`kernels` from native.kernels_for (None: torch's ops throughout)."""
-        return cls(NativeOps(kernels) if kernels else TorchOps(), kernels, quantization, dtype)
-
-    def linear(self, weight: torch.Tensor) -> nn.Module:
-        """The module multiplying by `weight` [N, K] (which may still be in the checkpoint's
-        fp32 on a bf16 stage: stages/linear.py make_linear)."""
-        return make_linear(weight, self.quantization, self.kernels, self.dtype)
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
@@ -82,7 +54,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, kind: Kind
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        prefix: str,
+        backend: LayerBackend,
     ) -> None:
         super().__init__()
 
@@ -90,7 +66,7 @@ class DecoderLayer(nn.Module):
             # pop: the stage module becomes the only owner of its weights
             return weights.pop(prefix + name)
 
-        self.ops = kind.ops
+        self.ops = backend.ops
         self.spec = spec = config.layer_spec
         self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -113,10 +89,10 @@ class DecoderLayer(nn.Module):
         # CPU), and the kernels read q, k, v and gate, up straight out of their outputs.
         qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(h+2h_kv)d, d]
         gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")))  # [2I, d]
-        self.qkv_proj = kind.linear(qkv)
-        self.o_proj = kind.linear(take("self_attn.o_proj.weight"))  # [d, h * d_head]
-        self.gate_up_proj = kind.linear(gate_up)
-        self.down_proj = kind.linear(take("mlp.down_proj.weight"))  # [d, I]
+        self.qkv_proj = backend.linear(qkv)
+        self.o_proj = backend.linear(take("self_attn.o_proj.weight"))  # [d, h * d_head]
+        self.gate_up_proj = backend.linear(gate_up)
+        self.down_proj = backend.linear(take("mlp.down_proj.weight"))  # [d, I]
 
     def forward(
         self,
@@ -144,7 +120,7 @@ class DecoderLayer(nn.Module):
         q = self.ops.rope_store(
             qkv, cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
         )  # [T, h, d]; this step's K and V are now in the cache
-        o = paged_attention(q, kv_layer, inputs)  # [T, h, d]
+        o = self.ops.attention(q, kv_layer, inputs)  # [T, h, d]
         h = self.o_proj(o.view(num_tokens, -1))  # [T, d]
         if self.o_bias is not None:
             h = self.ops.add_bias(h, self.o_bias)
@@ -152,9 +128,9 @@ class DecoderLayer(nn.Module):
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))), residual
 
 
-class LlamaStage(nn.Module):
-    """Layers [start, end) of a Llama model, plus the embedding on the first stage and the final
-    norm and lm_head on the last. `weights` is consumed (its tensors move into the module).
+class CausalLMStage(nn.Module):
+    """Layers [start, end) of a decoder-only model, plus the embedding on the first stage and the
+    final norm and lm_head on the last. `weights` is consumed (its tensors move into the module).
 
     `head_rows` ([lo, hi) of the vocabulary): the lm_head rows this stage multiplies by; None
     means all of them on the last stage and none elsewhere. With the lm_head split the first
@@ -166,7 +142,7 @@ class LlamaStage(nn.Module):
         weights: dict[str, torch.Tensor],
         start: int,
         end: int,
-        kind: Kind | None = None,
+        backend: LayerBackend,
         head_rows: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
@@ -176,14 +152,13 @@ class LlamaStage(nn.Module):
         self.is_last_stage = end == config.num_layers
         norm = weights[f"model.layers.{start}.input_layernorm.weight"]
         self.dtype, self.device = norm.dtype, norm.device
-        kind = kind or Kind.build()
-        self.ops = kind.ops
+        self.ops = backend.ops
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", kind) for i in range(start, end)
+            DecoderLayer(config, weights, f"model.layers.{i}.", backend) for i in range(start, end)
         )
-        # On the CPU kernels, each layer in one C call (stages/fused_layer.py); None: one
-        # Python call per kernel, as DecoderLayer.forward.
-        self.fused = FusedLayers.build(list(self.layers), kind.kernels, self.dtype)
+        # On the CPU kernels, every layer in one C call (stages/backend/cpu/fused_layer.py);
+        # None: one Python call per op, as DecoderLayer.forward.
+        self.fused: CompiledLayers | None = backend.compile_layers(list(self.layers), self.dtype)
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)  # [d/2]
         # First stage embeds the token ids; later stages start from what the previous sent.
@@ -202,26 +177,25 @@ class LlamaStage(nn.Module):
             tied = embed is not None and head.data_ptr() == embed.data_ptr()
             # Part of the matrix: a copy of its rows, so the whole one can be freed.
             rows = head if whole else head[head_rows[0] : head_rows[1]].clone()
-            self.lm_head = kind.linear(rows)  # [hi - lo, d]
+            self.lm_head = backend.linear(rows)  # [hi - lo, d]
             # Tied on one stage: the lm_head (in whatever layout it keeps the matrix) also
             # serves the lookup, so the vocabulary matrix is held once. An int8 lm_head
             # cannot: the embedding stays exact in its own copy.
             head_serves_lookup = tied and whole and hasattr(self.lm_head, "rows")
         # A stage with lm_head rows on the CPU kernels: a greedy decode batch's finish (final
         # norm on the last stage, lm_head, argmax, a split's two maxima) in one call
-        # (stages/fused_layer.py); None: one at a time.
-        self.greedy_head: GreedyHead | None = None
+        # (stages/backend/cpu/fused_layer.py); None: one at a time.
+        self.greedy_head: GreedyFinish | None = None
         if head_rows is not None:
-            self.greedy_head = GreedyHead.build(
+            self.greedy_head = backend.greedy_finish(
                 self.lm_head,
                 self.final_norm if self.is_last_stage else None,
                 config.rms_norm_eps,
                 self.dtype,
                 head_rows[0],
-                kind.kernels,
             )
         # The first stage's lookup table, in the stage dtype (the matrices may come in fp32 for
-        # a bf16 stage: stages/linear.py source_dtype); None where the lm_head serves it.
+        # a bf16 stage: backend/cpu/linear.py source_dtype); None where the lm_head serves it.
         self.embed_tokens: nn.Parameter | None = (
             None if embed is None or head_serves_lookup else _param(embed.to(self.dtype))
         )

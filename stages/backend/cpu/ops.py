@@ -1,0 +1,104 @@
+"""The small ops of a layer (stages/backend/torch/ops.py says which) in ppring's CPU kernels:
+one kernel call each, on the same values, and attention over the paged cache in place."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.backend.cpu.native import NativeKernels
+from stages.backend.torch.ops import _rope_fp32
+from stages.inputs import ForwardInputs
+
+
+class NativeOps:
+    """The same ops as TorchOps, one kernel call each (CPU, float32 or bfloat16): the kernels'
+    own methods, which take the same arguments."""
+
+    name = "native"
+
+    def __init__(self, kernels: NativeKernels) -> None:
+        self.add_rms_norm = kernels.add_rms_norm
+        self.rope_store = kernels.rope_store
+        self.silu_mul = kernels.silu_mul
+        self.row_argmax = kernels.row_argmax
+        self._kernels = kernels
+        self._rope: RopeTable | None = None
+
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+    ) -> torch.Tensor:
+        """TorchOps.attention, reading K and V in place a 16-slot page at a time (on a stage
+        with the kernels every forward's inputs carry the paged metadata: stages/inputs.py)."""
+        paged = inputs.paged
+        assert paged is not None
+        return self._kernels.paged_attention(
+            q, kv_layer, paged.q_start, paged.q_len, paged.ctx_len, paged.block_table,
+            q.shape[-1] ** -0.5,
+        )  # fmt: skip
+
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """TorchOps.add_bias in one kernel call (the same bits)."""
+        return self._kernels.add_bias(y, bias, bias.shape[0])
+
+    def rms_norm_heads(
+        self,
+        qkv: torch.Tensor,
+        first_head: int,
+        num_heads: int,
+        head_dim: int,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """TorchOps.rms_norm_heads in one kernel call (the bits of add_rms_norm on each head)."""
+        return self._kernels.rms_norm_heads(qkv, first_head, num_heads, head_dim, weight, eps)
+
+    def rope_tables(
+        self,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, d] fp32; the kernel rounds them to the dtype where it must.
+        With `max_position` (the largest of `positions`), rows of a table kept across steps."""
+        if max_position is None:
+            return _rope_fp32(positions, inv_freq)
+        return self.rope_table(inv_freq).rows(positions, max_position)
+
+    def rope_table(self, inv_freq: torch.Tensor) -> RopeTable:
+        """The table kept across steps for `inv_freq` (the stage's one)."""
+        if self._rope is None or self._rope.inv_freq is not inv_freq:
+            self._rope = RopeTable(inv_freq)
+        return self._rope
+
+
+class RopeTable:
+    """cos and signed sin of positions [0, P), fp32 [P, d] each, as _rope_fp32 computes them
+    (the same ops on every element, so each row equals that position's own computation bit for
+    bit: tests/stages/test_ops.py); P doubles when a step asks for a later position.
+
+    Why: a single stream's decode step computed its one row of each with seven torch ops, and
+    between the kernels' weight streams every op runs with the interpreter out of cache: 140 us
+    a step on the 2-core Zen 4, against 11 us when timed alone. Two index_selects replace them.
+    The table costs 2 x 4 x d bytes a position: 4 MiB at SmolLM2's 8192."""
+
+    MIN_POSITIONS = 1024
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq  # [d/2] fp32
+        self.cos, self.sin = _rope_fp32(torch.arange(self.MIN_POSITIONS), inv_freq)
+
+    def rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] long, none above max_position -> cos, signed sin [T, d] fp32."""
+        cos, sin = self.covering(max_position)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def covering(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables, cos and signed sin [P, d] fp32, grown to P > max_position (a
+        kernel given positions reads its rows there: csrc/ops.c rope_store_rows)."""
+        size = self.cos.shape[0]
+        if max_position >= size:
+            while size <= max_position:
+                size *= 2
+            self.cos, self.sin = _rope_fp32(torch.arange(size), self.inv_freq)
+        return self.cos, self.sin

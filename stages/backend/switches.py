@@ -1,0 +1,78 @@
+"""The process environment's switches of how a stage computes, read once when the stage picks
+its backend (stages/backend/__init__.py) and printed in its start-up summary where they differ
+from the defaults. Code below the backend takes these values; it does not read os.environ."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from stages.errors import ConfigError
+
+GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"
+GRID_ACTIVATIONS = ("int8x2", "int8", "bf16")
+
+# field -> (variable, its default); "0" turns a default-on path off
+_VARIABLES = {
+    "native_kernels": ("PPRING_NATIVE_KERNELS", "1"),
+    "fused_layers": ("PPRING_FUSED_LAYERS", "1"),
+    "grid_weights": ("PPRING_GRID_WEIGHTS", "1"),
+    "grid_activations": (GRID_ACTIVATIONS_ENV, "int8x2"),
+    "triton_attention": ("PPRING_TRITON_ATTENTION", "1"),
+}
+
+
+@dataclass(frozen=True)
+class Switches:
+    native_kernels: bool = True  # ppring's CPU kernels (off: torch's ops on a CPU)
+    fused_layers: bool = True  # a stage's layers in one kernel call (off: one call per op)
+    grid_weights: bool = True  # GGUF-grid weights held as their codes (off: panels)
+    grid_activations: str = "int8x2"  # how a bf16 stage multiplies codes (GRID_ACTIVATIONS)
+    triton_attention: bool = True  # a GPU's paged decode attention (off: gather, no graphs)
+
+    @classmethod
+    def read(cls) -> Switches:
+        """The switches as the environment sets them now; one ConfigError for a bad value."""
+        return cls(
+            native_kernels=_on("native_kernels"),
+            fused_layers=_on("fused_layers"),
+            grid_weights=_on("grid_weights"),
+            grid_activations=grid_activations(),
+            triton_attention=_on("triton_attention"),
+        )
+
+    def changed(self) -> str:
+        """The variables set away from their defaults, as a user would type them ("" none)."""
+        default = Switches()
+        out = []
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value != getattr(default, field.name):
+                variable, _ = _VARIABLES[field.name]
+                out.append(f"{variable}={'0' if value is False else value}")
+        return " ".join(out)
+
+
+def grid_weights_on() -> bool:
+    """PPRING_GRID_WEIGHTS alone, as the environment sets it now."""
+    return _on("grid_weights")
+
+
+def _on(name: str) -> bool:
+    variable, default = _VARIABLES[name]
+    return os.environ.get(variable, default) != "0"
+
+
+def grid_activations() -> str:
+    """How a bf16 stage multiplies weights held as grid codes: "int8x2" (GridA8Linear, each row
+    of x quantized to int8 in two passes: the accuracy of bf16), "int8" (one pass, as llama.cpp
+    does: up to twice as fast where the matmuls bind, ~3.6x bf16's KL divergence from fp32) or
+    "bf16" (GridBf16Linear: the codes decoded to bf16, the same results as the bf16 panels)."""
+    value = os.environ.get(GRID_ACTIVATIONS_ENV, "int8x2").strip().lower()
+    if value not in GRID_ACTIVATIONS:
+        raise ConfigError(
+            f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8x2 (codes times int8 "
+            "activations in two passes, the default), int8 (one pass, as llama.cpp) or bf16 "
+            "(codes decoded to bf16)"
+        )
+    return value
