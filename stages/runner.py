@@ -151,7 +151,9 @@ class StageRunner(Stage):
             self.log_prefix,
             self.config.architecture,
             self.config.layer_spec.describe(),
-            "fused" if self.model.fused is not None else "one call per op",
+            "fused"
+            if self.model.fused is not None
+            else "one call per op: " + backend.compile_refusal(list(self.model.layers), self.dtype),
             backend.describe(),
             self.attention,
             "int8 (per-channel scales)"

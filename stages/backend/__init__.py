@@ -100,6 +100,13 @@ class Backend:
             return None
         return FusedLayers.build(list(layers), self.kernels, dtype)
 
+    def compile_refusal(self, layers: Sequence[LayerWeights], dtype: torch.dtype) -> str:
+        """Why compile_layers gave None, for the start-up line (a family the fused stack
+        cannot run yet takes the general path, and says so)."""
+        if not self.switches.fused_layers:
+            return "PPRING_FUSED_LAYERS=0"
+        return FusedLayers.refusal(list(layers), self.kernels, dtype) or "not compiled"
+
     def greedy_finish(
         self,
         lm_head: nn.Module,

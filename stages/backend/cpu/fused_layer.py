@@ -224,17 +224,35 @@ class FusedLayers:
     def build(
         cls, layers: list[LayerWeights], kernels: NativeKernels | None, dtype: torch.dtype
     ) -> FusedLayers | None:
-        """FusedLayers where every layer can run as one call, else None (the Python path)."""
-        if kernels is None or not layers or dtype not in _ELEM_BYTES:
+        """FusedLayers where every layer can run as one call, else None (the Python path:
+        `refusal` says why)."""
+        if cls.refusal(layers, kernels, dtype) is not None:
             return None
+        assert kernels is not None
         matrices = [[_linear(proj, dtype) for proj in _projections(layer)] for layer in layers]
-        if any(spec is None for four in matrices for spec in four):
-            return None
-        extras = [getattr(layer, n) for layer in layers for n in _EXTRAS]
-        if any(t is not None and (t.dtype != dtype or not t.is_contiguous()) for t in extras):
-            return None  # the kernels read them as raw rows in the stage dtype
         _check_mirrors(kernels)
         return cls(layers, matrices, kernels, dtype)
+
+    @staticmethod
+    def refusal(
+        layers: list[LayerWeights], kernels: NativeKernels | None, dtype: torch.dtype
+    ) -> str | None:
+        """Why these layers cannot run as one call, in a few words for the start-up line;
+        None where they can."""
+        if kernels is None:
+            return "no CPU kernels"
+        if not layers or dtype not in _ELEM_BYTES:
+            return f"the kernels' layer stack takes float32 or bfloat16, not {dtype}"
+        for layer in layers:
+            for proj in _projections(layer):
+                if _linear(proj, dtype) is None:
+                    return f"a {type(proj).__name__} matrix is not one of the kernels' layouts"
+            for name in _EXTRAS:
+                tensor = getattr(layer, name)
+                if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous()):
+                    # the kernels read them as raw rows in the stage dtype
+                    return f"its {name} is not contiguous in the stage dtype"
+        return None
 
     def forward(
         self,
