@@ -13,6 +13,7 @@ import pytest
 
 from launch import cli, plan
 from launch.plan import GiB, KiB, MiB
+from stages.layer_spec import LayerSpec
 
 LLAMA_70B = plan.PRESETS["Llama-3-70B"]
 SEED = plan.SEED_HARDWARE
@@ -231,3 +232,17 @@ def test_bad_input_is_one_sentence_and_exit_2(
 def test_plan_imports_no_torch() -> None:
     check = "import launch.plan, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", check], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_qwen_presets_count_their_published_parameters_with_what_their_family_adds():
+    # Qwen2.5-7B: 7.62B; Qwen3-8B: 8.19B; Qwen3-0.6B (tied): 0.60B (their model cards)
+    assert 7.60e9 < plan.model_params(plan.PRESETS["Qwen2.5-7B"]) < 7.63e9
+    assert 8.18e9 < plan.model_params(plan.PRESETS["Qwen3-8B"]) < 8.20e9
+    assert 0.59e9 < plan.model_params(plan.PRESETS["Qwen3-0.6B"]) < 0.61e9
+    qwen2 = plan.PRESETS["Qwen2.5-7B"].config
+    as_llama = plan.layer_params_per_gpu(replace(qwen2, layer_spec=LayerSpec()), 1)
+    bias = (qwen2.num_heads + 2 * qwen2.num_kv_heads) * qwen2.head_dim
+    assert plan.layer_params_per_gpu(qwen2, 1) == as_llama + bias
+    qwen3 = plan.PRESETS["Qwen3-8B"].config
+    as_llama = plan.layer_params_per_gpu(replace(qwen3, layer_spec=LayerSpec()), 1)
+    assert plan.layer_params_per_gpu(qwen3, 1) == as_llama + 2 * qwen3.head_dim  # q, k norms
