@@ -278,8 +278,12 @@ class StageRunner(Stage):
         if self.device.type != "cuda":
             return False
         cfg = self.config
-        reason = triton_attention.unusable_reason(
-            self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype
+        reason = (
+            triton_attention.unusable_reason(
+                self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype
+            )
+            if self.backend.switches.triton_attention
+            else f"{triton_attention.DISABLE_ENV}=0"
         )
         if reason is not None:
             logger.warning("%s decode attention: torch's gather path (%s)", self.log_prefix, reason)
