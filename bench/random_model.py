@@ -58,6 +58,28 @@ PRESETS: dict[str, Shape] = {
         bos_token_id=128000,
         eos_token_id=128001,
     ),
+    # Llama-3.2-1B's config.json (meta-llama/Llama-3.2-1B): 1.24 B parameters, the embedding
+    # tied; what a user's bf16 checkpoint of real size looks like on a CPU (issue 49).
+    "llama-3.2-1b": Shape(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        max_positions=131072,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        bos_token_id=128000,
+        eos_token_id=128001,
+        tie_word_embeddings=True,
+    ),
     # Seconds to build on a CPU: for tests of this script and of the benches that use it.
     "tiny": Shape(
         vocab_size=512,
