@@ -70,18 +70,6 @@ class Backend:
             reason = f"torch's ops (the CPU kernels: {reason})"
         return cls(name, reason, ops, kernels, quantization, dtype, switches)
 
-    @classmethod
-    def torch_ops(cls, dtype: torch.dtype | None = None) -> Backend:
-        """torch's ops on whatever device the weights are (tests and tools)."""
-        return cls("torch", "asked for", TorchOps(), None, "none", dtype)
-
-    @classmethod
-    def cpu_kernels(
-        cls, kernels: NativeKernels, quantization: str = "none", dtype: torch.dtype | None = None
-    ) -> Backend:
-        """The CPU kernels, these ones (tests and tools)."""
-        return cls("cpu", "asked for", NativeOps(kernels), kernels, quantization, dtype)
-
     def matrix_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a stage computing in `dtype` loads its weight matrices in
         (stages/backend/cpu/linear.py source_dtype)."""

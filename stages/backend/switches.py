@@ -9,16 +9,20 @@ from dataclasses import dataclass, fields
 
 from stages.errors import ConfigError
 
+NATIVE_KERNELS_ENV = "PPRING_NATIVE_KERNELS"  # "0": torch's ops on a CPU
+FUSED_LAYERS_ENV = "PPRING_FUSED_LAYERS"  # "0": a stage's layers one Python call per op
+GRID_WEIGHTS_ENV = "PPRING_GRID_WEIGHTS"  # "0": every weight as panels, none as codes
 GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"
 GRID_ACTIVATIONS = ("int8x2", "int8", "bf16")
+TRITON_ATTENTION_ENV = "PPRING_TRITON_ATTENTION"  # "0": a GPU keeps torch's gather, no graphs
 
 # field -> (variable, its default); "0" turns a default-on path off
 _VARIABLES = {
-    "native_kernels": ("PPRING_NATIVE_KERNELS", "1"),
-    "fused_layers": ("PPRING_FUSED_LAYERS", "1"),
-    "grid_weights": ("PPRING_GRID_WEIGHTS", "1"),
+    "native_kernels": (NATIVE_KERNELS_ENV, "1"),
+    "fused_layers": (FUSED_LAYERS_ENV, "1"),
+    "grid_weights": (GRID_WEIGHTS_ENV, "1"),
     "grid_activations": (GRID_ACTIVATIONS_ENV, "int8x2"),
-    "triton_attention": ("PPRING_TRITON_ATTENTION", "1"),
+    "triton_attention": (TRITON_ATTENTION_ENV, "1"),
 }
 
 

@@ -34,13 +34,15 @@ from stages.backend.cpu.linear import (
     Int8Linear,
 )
 from stages.backend.cpu.native import NativeKernels
+from stages.backend.switches import FUSED_LAYERS_ENV
 
 if TYPE_CHECKING:
     from stages.inputs import ForwardInputs
     from stages.interface import LayerWeights
     from stages.kv_cache import KVCache
 
-DISABLE_ENV = "PPRING_FUSED_LAYERS"  # "0": the layers run one Python call per kernel (switches.py)
+DISABLE_ENV = FUSED_LAYERS_ENV  # "0": one Python call per op (read once: switches.py)
+
 
 # csrc/ppring.h's enum of matrix kinds
 _F32, _GRID_F32, _BF16, _GRID_BF16, _INT8, _GRID_A8, _INT8_QUADS, _GRID_A8_1 = range(1, 9)

@@ -29,8 +29,10 @@ import torch
 
 from stages.backend.cpu.codes import BLOCK, PANEL, GridCodes, GridPairs, GridQuads
 from stages.backend.cpu.native import NativeKernels
+from stages.backend.switches import GRID_WEIGHTS_ENV
 
-DISABLE_ENV = "PPRING_GRID_WEIGHTS"  # "0": keep every weight as fp32 panels
+DISABLE_ENV = GRID_WEIGHTS_ENV  # "0": keep every weight as panels (read once: switches.py)
+
 # fp16 neighbours of the estimated d that are tried, in ulps (the estimate from the rounded
 # weights can land a step or two away from the d the file held)
 _ULP_STEPS = (0, -1, 1, -2, 2)

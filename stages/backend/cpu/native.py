@@ -31,6 +31,7 @@ import torch
 from stages.backend.cpu.build import build, find_compiler
 from stages.backend.cpu.calls import _ELEM_BYTES, _check, check_status
 from stages.backend.cpu.matmul_kernels import PANEL, MatmulKernels
+from stages.backend.switches import NATIVE_KERNELS_ENV as DISABLE_ENV
 from stages.batch import BLOCK_SIZE
 
 __all__ = ["PANEL", "NativeKernels", "check_status", "kernels", "kernels_for"]
@@ -38,7 +39,6 @@ __all__ = ["PANEL", "NativeKernels", "check_status", "kernels", "kernels_for"]
 logger = logging.getLogger(__name__)
 
 
-DISABLE_ENV = "PPRING_NATIVE_KERNELS"  # "0": use the torch paths
 _vp = ctypes.c_void_p
 
 

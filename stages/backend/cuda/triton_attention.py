@@ -32,12 +32,12 @@ import os
 
 import torch
 
+from stages.backend.switches import TRITON_ATTENTION_ENV as DISABLE_ENV
 from stages.batch import BLOCK_SIZE
 
 PAGES_PER_ITERATION = 4  # keys per loop iteration: 4 pages of 16
 MAX_SPLITS = 16  # parts a context is walked in, at most
 MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16
-DISABLE_ENV = "PPRING_TRITON_ATTENTION"  # "0": a GPU stage keeps the torch path (no graphs)
 
 
 def available() -> bool:
