@@ -153,7 +153,7 @@ class StageRunner(Stage):
             self.config.layer_spec.describe(),
             "fused"
             if self.model.fused is not None
-            else "one call per op: " + backend.compile_refusal(list(self.model.layers), self.dtype),
+            else f"one call per op: {backend.compile_refusal(list(self.model.layers), self.dtype)}",
             backend.describe(),
             self.attention,
             "int8 (per-channel scales)"

@@ -28,7 +28,7 @@ from stages.backend.cpu.linear import check_quantization, make_linear, source_dt
 from stages.backend.cpu.native import NativeKernels
 from stages.backend.cpu.ops import NativeOps
 from stages.backend.cuda.ops import CudaOps
-from stages.backend.switches import Switches
+from stages.backend.switches import FUSED_LAYERS_ENV, Switches
 from stages.backend.torch.ops import TorchOps
 from stages.interface import LayerWeights, Ops
 
@@ -83,17 +83,18 @@ class Backend:
     def compile_layers(
         self, layers: Sequence[LayerWeights], dtype: torch.dtype
     ) -> FusedLayers | None:
-        """The stage's layers as one kernel call, or None (the blocks run call by call)."""
-        if not self.switches.fused_layers:
+        """The stage's layers as one kernel call, or None (the blocks run call by call;
+        `compile_refusal` says why)."""
+        if self.compile_refusal(layers, dtype) is not None:
             return None
         return FusedLayers.build(list(layers), self.kernels, dtype)
 
-    def compile_refusal(self, layers: Sequence[LayerWeights], dtype: torch.dtype) -> str:
-        """Why compile_layers gave None, for the start-up line (a family the fused stack
-        cannot run yet takes the general path, and says so)."""
+    def compile_refusal(self, layers: Sequence[LayerWeights], dtype: torch.dtype) -> str | None:
+        """Why these layers do not run as one call, for the start-up line (a family the fused
+        stack cannot run yet takes the general path, and says so); None where they do."""
         if not self.switches.fused_layers:
-            return "PPRING_FUSED_LAYERS=0"
-        return FusedLayers.refusal(list(layers), self.kernels, dtype) or "not compiled"
+            return f"{FUSED_LAYERS_ENV}=0"
+        return FusedLayers.refusal(list(layers), self.kernels, dtype)
 
     def greedy_finish(
         self,

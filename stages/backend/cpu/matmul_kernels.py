@@ -56,7 +56,7 @@ class MatmulKernels:
         return y
 
     def linear_grid(self, x: torch.Tensor, grid: GridCodes) -> torch.Tensor:
-        """x [M, K] @ W^T -> [M, N] fp32, for W held as grid codes (stages/grid.py): the same
+        """x [M, K] @ W^T -> [M, N] fp32, for W held as grid codes (backend/cpu/grid.py): the same
         values, and so the same result, as linear_f32 over W's fp32 panels."""
         x = x.contiguous()
         m, k = x.shape
@@ -206,7 +206,7 @@ class MatmulKernels:
 
     def linear_grid_bf16(self, x: torch.Tensor, pairs: GridPairs) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the bf16 layout
-        (stages/grid.py GridPairs): the same result as linear_bf16 over W's bf16 panels. Only
+        (backend/cpu/grid.py GridPairs): the same result as linear_bf16 over W's bf16 panels. Only
         where `bf16_dot`."""
         return self._bf16_over_codes(
             self._lib.ppr_linear_grid_bf16, "linear_grid_bf16", x, pairs,
@@ -258,7 +258,7 @@ class MatmulKernels:
 
     def linear_grid_a8(self, x: torch.Tensor, quads: GridQuads, passes: int = 2) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the int8-activation
-        layout (stages/grid.py GridQuads): each row of x quantized to int8 per block of 32 in
+        layout (backend/cpu/grid.py GridQuads): each row of x quantized to int8 per block of 32 in
         `passes` passes (2: the second quantizes what the first missed), the products summed in
         integers (matmul_a8.c ppr_linear_grid_a8). Only where `a8_dot`."""
         if passes not in (1, 2):
@@ -269,7 +269,7 @@ class MatmulKernels:
         )  # fmt: skip
 
     def grid_a8_rows(self, quads: GridQuads, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of the weight held as `quads`, [T, K] bf16: stages/grid.py
+        """Rows `ids` [T] of the weight held as `quads`, [T, K] bf16: backend/cpu/grid.py
         quad_rows(quads, ids) rounded to bf16, bit for bit (a tied lm_head's embedding lookup).
         Only where `a8_dot`."""
         ids = ids.to(torch.int64).contiguous()

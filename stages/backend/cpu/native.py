@@ -77,7 +77,7 @@ class NativeKernels(MatmulKernels):
         lib.ppr_linear_int8_quads.restype = ctypes.c_int
         lib.ppr_linear_int8_quads.argtypes = [ctypes.c_int] + [_vp] * 4 + [ctypes.c_int] * 3
         lib.ppr_int8_quads.restype = ctypes.c_int
-        # AVX-512: int8 weights held in quads (stages/linear.py pack_int8_quads) read faster
+        # AVX-512: int8 weights held in quads (backend/cpu/linear.py pack_int8_quads) read faster
         self.int8_quads = bool(lib.ppr_int8_quads())
         lib.ppr_quantize_rows_q16.restype = ctypes.c_int
         lib.ppr_quantize_rows_q16.argtypes = [ctypes.c_int, _vp] + [ctypes.c_int] * 2 + [_vp] * 2
@@ -129,7 +129,7 @@ class NativeKernels(MatmulKernels):
         lib.ppr_greedy_head.argtypes += [ctypes.c_int64, _vp, _vp, _vp, _vp]
         lib.ppr_struct_size.restype = ctypes.c_int64
         lib.ppr_struct_size.argtypes = [ctypes.c_int]
-        # sizeof ppr_linear_t, ppr_layer_t, ppr_step_t: stages/fused_layer.py checks its
+        # sizeof ppr_linear_t, ppr_layer_t, ppr_step_t: backend/cpu/fused_layer.py checks its
         # ctypes mirrors against them before it builds one
         self.struct_sizes = tuple(lib.ppr_struct_size(i) for i in range(3))
         lib.ppr_struct_offset.restype = ctypes.c_int64
@@ -385,7 +385,7 @@ class NativeKernels(MatmulKernels):
         residual_out: int, kv: int, kv_stride: int, h_out: int,
     ) -> None:  # fmt: skip
         """`num_layers` decoder layers, every kernel of each, in one call over raw addresses:
-        the structs `layers` (back to back) and `step`, the buffers stages/fused_layer.py lays
+        the structs `layers` (back to back) and `step`, the buffers backend/cpu/fused_layer.py lays
         out (it checks them), and the cache at `kv`, a layer every `kv_stride` bytes."""
         status = self._lib.ppr_decoder_layers(
             layers, num_layers, step, h_in, residual_in, residual_out, kv, kv_stride, h_out
@@ -398,7 +398,7 @@ class NativeKernels(MatmulKernels):
         self, layer: int, elem_bytes: int, rows: int, x_hidden: int, x_attn: int, x_act: int,
         y: int,
     ) -> None:  # fmt: skip
-        """The four matmuls of the layer struct at `layer`, alone (stages/fused_layer.py)."""
+        """The four matmuls of the layer struct at `layer`, alone (backend/cpu/fused_layer.py)."""
         if self._lib.ppr_layer_matmuls(layer, elem_bytes, rows, x_hidden, x_attn, x_act, y):
             raise RuntimeError("a matmul of the fused decoder layer failed (see layers.c)")
 
@@ -409,7 +409,7 @@ class NativeKernels(MatmulKernels):
         their_token: int | None,
     ) -> None:  # fmt: skip
         """A greedy finish of `rows` rows in one call over raw addresses (None: NULL): the
-        lm_head's struct at `head` and the buffers stages/fused_layer.py GreedyHead lays out
+        lm_head's struct at `head` and the buffers backend/cpu/fused_layer.py GreedyHead lays out
         for `max_rows` rows; layers.c ppr_greedy_head says what each is."""
         status = self._lib.ppr_greedy_head(
             head, elem_bytes, h, residual, norm_weight, eps, rows, max_rows, hidden, scratch,

@@ -1,12 +1,12 @@
 /* A stage's decoder layers in one call (ppr_decoder_layers), the greedy lm_head
- * (ppr_greedy_head) and what stages/fused_layer.py checks its struct mirrors against. */
+ * (ppr_greedy_head) and what backend/cpu/fused_layer.py checks its struct mirrors against. */
 #include "ppring.h"
 
 /* ---- A whole decoder layer in one call ----------------------------------------------------
- * The same kernels, in the same order, on the same buffers as stages/llama.py's DecoderLayer
+ * The same kernels, in the same order, on the same buffers as models/blocks.py's DecoderLayer
  * calls them one by one from Python, so the results are bit for bit the same; what goes is
  * the Python around nine kernel calls a layer (module calls, torch.empty, checks, ctypes:
- * ~70 us a layer, most of a single stream's step after its matmuls). stages/fused_layer.py
+ * ~70 us a layer, most of a single stream's step after its matmuls). backend/cpu/fused_layer.py
  * fills these structs once at load and calls ppr_decoder_layers (every layer) once a step. */
 
 static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void *y, int M) {
@@ -328,7 +328,7 @@ int ppr_greedy_head(const ppr_linear_t *head, int elem_bytes, const void *h, con
     return 0;
 }
 
-/* sizeof each struct stages/fused_layer.py mirrors in ctypes (0 ppr_linear_t, 1 ppr_layer_t,
+/* sizeof each struct backend/cpu/fused_layer.py mirrors in ctypes (0 ppr_linear_t, 1 ppr_layer_t,
  * 2 ppr_step_t; else 0): checked at load, so a field added on one side alone is caught. */
 int64_t ppr_struct_size(int which) {
     switch (which) {
@@ -341,7 +341,7 @@ int64_t ppr_struct_size(int which) {
 
 /* offsetof field `field` (0-based, in declaration order; a nested struct counts as one field)
  * of struct `which` (0 ppr_linear_t, 1 ppr_layer_t, 2 ppr_step_t, as ppr_struct_size), -1 past
- * the last field or for another `which`: stages/fused_layer.py checks every field of its
+ * the last field or for another `which`: backend/cpu/fused_layer.py checks every field of its
  * mirrors against these at load, so a field moved, retyped or added on one side alone is
  * caught where the sizes alone might agree. */
 int64_t ppr_struct_offset(int which, int field) {

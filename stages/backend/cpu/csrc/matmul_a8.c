@@ -162,7 +162,7 @@ int ppr_has_a8_dot(void) {
 }
 
 /* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]: d * q,
- * then + m (two fp32 roundings, as stages/grid.py quad_rows and the checkpoint's converter
+ * then + m (two fp32 roundings, as backend/cpu/grid.py quad_rows and the checkpoint's converter
  * compute them: no FMA here), rounded to bf16. A tied lm_head's embedding lookup: the same as
  * quad_rows(...).to(bfloat16), bit for bit, in about a microsecond a row instead of ~50 us of
  * torch ops (a single stream's step spent that much on its one token). Returns -1 for an id

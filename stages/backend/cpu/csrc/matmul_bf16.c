@@ -151,7 +151,7 @@ int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int 
  * q has at most 8 significant bits, so d * q is exact in fp32 and one FMA computes
  * fl(fl(d * q) + m); _mm512_cvtne2ps_pbh rounds to nearest even like torch (it flushes fp32
  * denormals, which such a product never is; the stage checks every decoded weight bit for bit
- * at load anyway, stages/linear.py).
+ * at load anyway, backend/cpu/linear.py).
  *
  * Layout, per panel of 16 output channels (P panels, K a multiple of 32, K2 = K / 2 pairs), in
  * the lane order the decode produces: decoded vector `lo` holds channels 0-7 and `hi` channels

@@ -185,8 +185,8 @@ void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N,
  *
  * A checkpoint dequantized from GGUF's Q4_1 or Q8_0 (the default model is) holds fp32 weights
  * that are exactly w = d * q + m (Q4_1: q in 0..15, one d and m per 32 weights along K) or
- * w = d * q (Q8_0: q in -127..127). stages/grid.py finds such a matrix and hands its codes here;
- * each panel is turned back into the very same fp32 values (d * q rounded, then + m rounded, as
+ * w = d * q (Q8_0: q in -127..127). backend/cpu/grid.py finds such a matrix and hands its
+ * codes here; each panel is turned back into the very same fp32 values (d * q rounded, then + m rounded, as
  * the converter computed them: never fused into one FMA) in a per-thread buffer, and multiplied
  * by panel_block / panel_row exactly as ppr_linear_f32 multiplies the fp32 panel. The results
  * are bit-identical; a decode step reads 5.3x (Q4_1) or 3.6x (Q8_0) fewer weight bytes.
@@ -356,7 +356,7 @@ int ppr_linear_grid(const float *x, const uint8_t *codes, const float *scale, co
     return failed ? -1 : 0;
 }
 
-/* The codes of w [N, K] on a grid (stages/grid.py): for each block of 32 weights along a row
+/* The codes of w [N, K] on a grid (backend/cpu/grid.py): for each block of 32 weights along a row
  * (block b = n * K / 32 + k / 32), the first of the `num_cand` scales cand[b, :] for which every
  * weight is exactly fl(fl(d * q) + offset[b]) (offset NULL: fl(d * q)) with q an integer in
  * [q_min, q_max]; q into codes [N, K], the scale into scale_out[b]. Returns how many blocks

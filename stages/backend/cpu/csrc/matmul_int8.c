@@ -453,7 +453,7 @@ int ppr_int8_quads(void) {
 }
 
 /* ppr_linear_int8 over weights held in quads: each 4 rows [4, K] as blocks of 32 columns, the
- * four rows' 32 bytes back to back ([N / 4, K / 32, 4, 32]; stages/linear.py pack_int8_quads).
+ * four rows' 32 bytes back to back ([N / 4, K / 32, 4, 32]; backend/cpu/linear.py pack_int8_quads).
  * The same products in the same order as ppr_linear_int8 over rows, so the same values bit for
  * bit. A single stream's int8 step read its rows as four streams a quad; one stream instead
  * (C harness, every matrix of SmolLM2 at one row, 2 threads, Zen 4 EPYC, alternated, 2 runs):

@@ -6,7 +6,7 @@
  * -march=native enables them. The bf16 ones exist only with their instructions (elsewhere a
  * bf16 stage multiplies with torch).
  *
- * Built at run time by stages/native.py (gcc -O3 -march=native -fopenmp) and called through
+ * Built at run time by backend/cpu/native.py (gcc -O3 -march=native -fopenmp) and called through
  * ctypes with the data pointers of contiguous tensors; nothing here allocates a tensor or holds a
  * pointer past the call. The OpenMP runtime is the one torch already loaded (same soname), so
  * these loops share torch's thread pool and thread count instead of fighting it for the cores.
@@ -20,9 +20,9 @@
  * it sees keys 0..that position (causal, aligned bottom-right). A decode is q_len == 1.
  */
 
-/* This header is what the kernels' translation units share (stages/native.py compiles every .c
+/* This header is what the kernels' translation units share (backend/cpu/native.py compiles every .c
  * of this folder into one library, and hashes this header with them): the feature macros of
- * the build, the sizes and codes native.py checks, the structs stages/fused_layer.py mirrors,
+ * the build, the sizes and codes native.py checks, the structs backend/cpu/fused_layer.py mirrors,
  * the small per-row and per-vector helpers more than one file inlines, and the declarations of
  * what one file defines and another calls. By concern:
  *   attention.c    paged attention: its tasks, plan and per-page kernels
@@ -76,7 +76,7 @@
 #define GRID_BLOCK 32 /* weights along K per scale of a grid (matmul_f32.c describes the codes) */
 
 /* What an entry point returns when an index it would write or read through lies outside the
- * sizes it was given; stages/native.py raises each as one sentence (an IndexError or a
+ * sizes it was given; backend/cpu/native.py raises each as one sentence (an IndexError or a
  * ValueError, as the torch path does). Every entry point that takes slots, block ids,
  * positions or row ranges checks them all once, before it writes anything: no caller can make
  * these kernels touch memory outside the buffers it described. */
@@ -89,7 +89,7 @@ enum {
     PPR_BAD_CONTEXT = -6,  /* a context shorter than its queries, or past its block table */
 };
 
-/* The kinds of ppr_linear_t (layers.c run_linear; stages/fused_layer.py's _F32 ...) */
+/* The kinds of ppr_linear_t (layers.c run_linear; backend/cpu/fused_layer.py's _F32 ...) */
 enum {
     PPR_F32 = 1, PPR_GRID_F32 = 2, PPR_BF16 = 3, PPR_GRID_BF16 = 4, PPR_INT8 = 5, PPR_GRID_A8 = 6,
     PPR_INT8_QUADS = 7, PPR_GRID_A8_1 = 8 /* PPR_GRID_A8 with one pass over x (a8_quantize_row) */
@@ -104,7 +104,7 @@ static inline int a8_passes(int kind) { return kind == PPR_GRID_A8_1 ? 1 : 2; }
 typedef struct {
     int32_t kind, n, k, bits;
     const void *a, *b, *c;
-    /* PPR_GRID_BF16 held both ways (stages/linear.py GridBf16Linear): calls of more than
+    /* PPR_GRID_BF16 held both ways (backend/cpu/linear.py GridBf16Linear): calls of more than
      * code_rows rows multiply the bf16 panels instead, for the same results; NULL: codes only */
     const void *panels;
     int32_t code_rows;
