@@ -13,6 +13,7 @@ Python and sockets on top of the stage's sleep; at T0_S = 20 ms that overhead al
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -60,6 +61,23 @@ def run_load(cfg: RingConfig, spec: SimSpec, num_requests: int) -> tuple[float, 
     return num_requests * MAX_NEW / elapsed, busy_s / elapsed
 
 
+@functools.cache
+def hop_factor() -> float:
+    """t0 over what a stage's step of t0 takes in a ring of four, its hop to the next included:
+    measured once, from one micro-batch going round (four steps a token, none overlapped). A
+    busy fraction cannot exceed this, however well the ring overlaps. On this project's 2-vCPU
+    VMs a hop has cost 1-5 ms, mostly the wake-up of a vCPU that had gone idle (a thread
+    spinning beside the ring took 0.5-1 ms off it), and at T0_S = 40 ms that moved stage 0's
+    busy fraction 9-17% below the ideal on one host and not on another. Held above 0.75: a ring
+    whose hops cost a third of a step fails here whatever its overlap."""
+    tps, _ = run_load(RingConfig(pp_size=4, max_running_requests=4, pp_max_micro_batch_size=4),
+                      SimSpec(t0_s=T0_S), 4)  # fmt: skip
+    stage_step_s = 4 / tps / 4  # 4 tokens a step of the ring; 4 stages a step
+    factor = min(1.0, T0_S / stage_step_s)
+    assert factor > 0.75, f"a stage's step of {T0_S * 1e3:.0f} ms took {stage_step_s * 1e3:.1f}"
+    return factor
+
+
 def ideal_busy(num_batches: int, num_stages: int) -> float:
     """Stage 0's busy fraction for M < S micro-batches of MAX_NEW steps each, ramp included:
     stage 0 runs M * MAX_NEW forwards of t0; the last batch starts (M - 1) t0 after the first
@@ -86,16 +104,19 @@ def test_a_filled_four_stage_ring_runs_every_stage_at_once():
         return (
             filled_tps >= 3.0 * one_batch_tps
             and filled_tps >= 0.8 * single_tps
-            and filled_busy > 0.8
+            and filled_busy > busy_floor
         )
 
+    # Stage 0 busy as the ramp and the hops allow (0.94 x hop_factor), within 15%: a ring that
+    # did not overlap its batches would be busy a quarter of the time
+    busy_floor = 0.85 * ideal_busy(4, 4) * hop_factor()
     filled_tps, filled_busy, one_batch_tps, single_tps = first_met(measure, met)
     # Four micro-batches in flight finish one per t0; one alone needs four t0 per step.
     assert filled_tps >= 3.0 * one_batch_tps
     # A filled ring of S stages of time t0 keeps pace with one stage of time t0 (ideally 1.0,
     # 0.93 measured here alone; the ramp of S - 1 t0 and the hops take the rest).
     assert filled_tps >= 0.8 * single_tps
-    assert filled_busy > 0.8
+    assert filled_busy > busy_floor
 
 
 @pytest.mark.timeout(120)
@@ -105,8 +126,9 @@ def test_fewer_batches_than_stages_leave_stages_idle(num_batches):
     # the time, so the idle fraction is about 1 - M/S (ideal_busy adds the ramp). Within 12% of
     # it: the hops' overhead took 3-5% here alone and 9% with both cores spun by other
     # processes; a ring that did not overlap its batches would stay at 1/S for every M.
+    # (ideal_busy of steps t0 long, made as long as this host's hops make them: hop_factor)
     cfg = RingConfig(pp_size=4, max_running_requests=4 * num_batches, pp_max_micro_batch_size=4)
-    ideal = ideal_busy(num_batches, 4)
+    ideal = ideal_busy(num_batches, 4) * hop_factor()
     _, busy = first_met(
         lambda: run_load(cfg, SimSpec(t0_s=T0_S), 4 * num_batches),
         lambda figures: abs(figures[1] - ideal) < 0.12 * ideal,
