@@ -1,6 +1,7 @@
-"""`ppring bench serve|ring|step|agreement|quality`: the measurements users pick a layout from
-(bench/serve.py, bench/ring.py, bench/step.py, bench/agreement.py, bench/quality.py). Each
-writes its JSON (serve and ring a PNG too) into the current folder, or `--out DIR`."""
+"""`ppring bench serve|ring|step|prefill|agreement|quality`: the measurements users pick a
+layout from (bench/serve.py, bench/ring.py, bench/step.py, bench/prefill.py, bench/agreement.py,
+bench/quality.py). Each writes its JSON (serve and ring a PNG too) into the current folder, or
+`--out DIR`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ BENCHES = {
     "serve": ("bench.serve", "local rings of the real model at a sweep of loads, vs HF generate"),
     "ring": ("bench.ring", "simulated stages: pipeline efficiency, async depth, idle fraction"),
     "step": ("bench.step", "one stage's decode step time against the floors it measures"),
+    "prefill": ("bench.prefill", "one long prompt's time to first token vs transformers' forward"),
     "agreement": (
         "bench.agreement",
         "greedy text of int8 (or fp32) against bf16's, token by token",
@@ -25,7 +27,8 @@ BENCHES = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in BENCHES:
-        print("usage: ppring bench {serve,ring,step,agreement,quality} [--help]\n", file=sys.stderr)
+        usage = "usage: ppring bench {serve,ring,step,prefill,agreement,quality} [--help]\n"
+        print(usage, file=sys.stderr)
         for name, (_, text) in BENCHES.items():
             print(f"  {name:<11}{text}", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -60,7 +60,8 @@ class Backend:
         kernels, reason = native.kernels_for(device, dtype)
         check_quantization(quantization, device, kernels, reason)
         if kernels is not None:
-            name, ops = "cpu", NativeOps(kernels)
+            tiles = switches.amx_rows != "0"
+            name, ops = "cpu", NativeOps.for_stage(kernels, dtype, tiles)
             reason = "ppring's CPU kernels: paged attention, matmuls and small ops"
         elif device.type == "cuda":
             name, ops = "cuda", CudaOps()

@@ -15,6 +15,10 @@ GRID_WEIGHTS_ENV = "PPRING_GRID_WEIGHTS"  # "0": every weight as panels, none as
 GRID_ACTIVATIONS_ENV = "PPRING_GRID_ACTIVATIONS"
 GRID_ACTIVATIONS = ("int8x2", "int8", "bf16")
 TRITON_ATTENTION_ENV = "PPRING_TRITON_ATTENTION"  # "0": a GPU keeps torch's gather, no graphs
+# "auto" (measured: backend/cpu/amx_choice.py), or a row count from which every bf16 matrix
+# multiplies on AMX tiles; "0": never, nor long prefill chunks' attention: every row's result
+# then independent of its batch (the vector kernels sum a row in one order whatever the batch)
+AMX_ROWS_ENV = "PPRING_AMX_ROWS"
 
 # field -> (variable, its default); "0" turns a default-on path off
 _VARIABLES = {
@@ -23,6 +27,7 @@ _VARIABLES = {
     "grid_weights": (GRID_WEIGHTS_ENV, "1"),
     "grid_activations": (GRID_ACTIVATIONS_ENV, "int8x2"),
     "triton_attention": (TRITON_ATTENTION_ENV, "1"),
+    "amx_rows": (AMX_ROWS_ENV, "auto"),
 }
 
 
@@ -33,6 +38,7 @@ class Switches:
     grid_weights: bool = True  # GGUF-grid weights held as their codes (off: panels)
     grid_activations: str = "int8x2"  # how a bf16 stage multiplies codes (GRID_ACTIVATIONS)
     triton_attention: bool = True  # a GPU's paged decode attention (off: gather, no graphs)
+    amx_rows: str = "auto"  # where bf16 matmuls move to AMX tiles: "auto" or a row count
 
     @classmethod
     def read(cls) -> Switches:
@@ -43,6 +49,7 @@ class Switches:
             grid_weights=_on("grid_weights"),
             grid_activations=grid_activations(),
             triton_attention=_on("triton_attention"),
+            amx_rows=amx_rows(),
         )
 
     def changed(self) -> str:
@@ -78,5 +85,18 @@ def grid_activations() -> str:
             f"{GRID_ACTIVATIONS_ENV}={value!r} is not a choice; give int8x2 (codes times int8 "
             "activations in two passes, the default), int8 (one pass, as llama.cpp) or bf16 "
             "(codes decoded to bf16)"
+        )
+    return value
+
+
+def amx_rows() -> str:
+    """PPRING_AMX_ROWS: "auto" (each matrix's row count from which AMX tiles win, measured once
+    per machine: backend/cpu/amx_choice.py) or a whole number of rows from which every bf16
+    matrix multiplies on the tiles where the CPU has them ("0": never)."""
+    value = os.environ.get(AMX_ROWS_ENV, "auto").strip().lower()
+    if value != "auto" and not value.isdigit():
+        raise ConfigError(
+            f"{AMX_ROWS_ENV}={value!r} is not a choice; give auto (measured, the default) or a "
+            "whole number of rows from which bf16 matmuls run on AMX tiles (0: never)"
         )
     return value

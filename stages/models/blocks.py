@@ -212,7 +212,9 @@ class CausalLMStage(nn.Module):
         cos, sin = self.ops.rope_tables(  # all layers
             inputs.positions, self.inv_freq, self.dtype, inputs.max_position
         )
-        if self.fused is not None:  # (a stage on the CPU kernels always reads the cache paged)
+        # (a stage on the CPU kernels always reads the cache paged; a batch with a long
+        # prefill chunk, whose attention is not the paged kernel's, takes the layers' calls)
+        if self.fused is not None and not self.ops.long_chunks(inputs):
             return self.fused.forward(h, residual, cos, sin, kv, inputs)
         for layer_index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv, layer_index, inputs)

@@ -20,6 +20,7 @@ from protocol.codec import PROTOCOL_VERSION, encode
 from protocol.messages import Chunk, Done, Error, Generate
 from protocol.sampling import SamplingParams
 from protocol.schema import to_wire
+from stages.backend.switches import AMX_ROWS_ENV
 from tests.e2e.conftest import PROMPTS
 
 
@@ -62,10 +63,13 @@ def test_greedy_tokens_equal_transformers(start_local, hf_greedy, pp_size, parti
 
 
 @pytest.mark.timeout(400)
-def test_32_concurrent_clients_get_what_they_get_alone(start_local):
-    # the default dtype: a sequence's tokens must not depend on its batch in fp32 or in bf16
-    # (where `auto` picks bf16, its matmuls are ppring's packed kernel, whose row sums run in
-    # one order whatever the batch; oneDNN chooses its kernel by the row count)
+def test_32_concurrent_clients_get_what_they_get_alone(start_local, monkeypatch):
+    # the default dtype, batch-invariant: a sequence's tokens must not depend on its batch in
+    # fp32 or in bf16 (where `auto` picks bf16, its matmuls are ppring's vector kernels, whose
+    # row sums run in one order whatever the batch; oneDNN chooses its kernel by the row count).
+    # On a CPU with AMX the default moves large calls to the tiles, whose sums differ by a bf16
+    # rounding: PPRING_AMX_ROWS=0 is the mode that promises this (docs/engine.md).
+    monkeypatch.setenv(AMX_ROWS_ENV, "0")
     server = start_local("--pp-size", "2")
     prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(32)]
     with Client(server.addr) as client:

@@ -142,6 +142,7 @@ def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
     near the panels'."""
     from stages.backend.cpu import grid, linear, native
     from stages.backend.cpu.linear import CpuBf16Linear, GridA8Linear, GridBf16Linear
+    from stages.backend.switches import AMX_ROWS_ENV
 
     kernels = native.kernels()
     if kernels is None or not kernels.bf16_dot:
@@ -158,9 +159,11 @@ def test_bfloat16_stages_hold_the_gguf_matrices_as_codes_with_the_same_logits(
         one_row = sum(s.weight_bytes_read(1) for s in chain.stages)
         return drive_teacher_forced(chain, seqs, starts, chunk_size=4, stagger=1), one_row
 
-    # the codes up to code_rows rows (the prefill chunks and decodes here), panels above
+    # the codes up to code_rows rows (the prefill chunks and decodes here), panels above; the
+    # panels of both kinds on AMX tiles (where the CPU has them) from the same rows
     monkeypatch.setenv(linear.GRID_ACTIVATIONS_ENV, "bf16")
     monkeypatch.setenv(linear.CODE_ROWS_ENV, "3")
+    monkeypatch.setenv(AMX_ROWS_ENV, "3")
     coded, coded_bytes = run(GridBf16Linear)
     # the default where the CPU has VNNI too: the codes alone, times int8 activations
     monkeypatch.delenv(linear.GRID_ACTIVATIONS_ENV)

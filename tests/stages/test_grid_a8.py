@@ -12,6 +12,7 @@ import torch
 from stages.backend.cpu import grid, native
 from stages.backend.cpu import linear as linear_module
 from stages.backend.cpu.linear import GridA8Linear, GridBf16Linear, make_linear
+from stages.backend.switches import AMX_ROWS_ENV
 from stages.errors import ConfigError
 from tests.stages.test_grid import q4_1_weight, q8_0_weight
 
@@ -30,6 +31,9 @@ def kernels() -> native.NativeKernels:
 @pytest.fixture(autouse=True)
 def _default_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(linear_module.GRID_ACTIVATIONS_ENV, raising=False)
+    # the vector kernels' own results, at every row count: the tiles a stage may move large
+    # calls to are tests/stages/test_amx.py's
+    monkeypatch.setenv(AMX_ROWS_ENV, "0")
 
 
 def reference(x: torch.Tensor, found: grid.Found, passes: int = 2) -> torch.Tensor:

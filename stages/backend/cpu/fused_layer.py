@@ -59,6 +59,7 @@ class _Linear(ctypes.Structure):
         ("c", ctypes.c_void_p),
         ("panels", ctypes.c_void_p),
         ("code_rows", ctypes.c_int32),
+        ("amx_rows", ctypes.c_int32),  # calls of at least this many rows on AMX tiles; 0: never
     ]
 
 
@@ -168,12 +169,13 @@ def _linear(proj: nn.Module, dtype: torch.dtype) -> _Linear | None:
     if kind == _GRID_A8 and proj.passes == 1:
         kind = _GRID_A8_1
     n, k = proj.out_features, proj.in_features
+    amx_rows = getattr(proj, "amx_rows", 0)  # (fp32 matrices have no tiles)
     if kind in (_F32, _BF16):
-        return _Linear(kind, n, k, 0, proj.panels.data_ptr(), None, None)
+        return _Linear(kind, n, k, 0, proj.panels.data_ptr(), None, None, None, 0, amx_rows)
     if kind == _GRID_BF16:  # held both ways: the codes up to code_rows rows, then the panels
         pointers = (*_grid_pointers(proj.grid), proj.panels.data_ptr())
-        return _Linear(kind, n, k, proj.grid.bits, *pointers, proj.code_rows)
-    return _Linear(kind, n, k, proj.grid.bits, *_grid_pointers(proj.grid))
+        return _Linear(kind, n, k, proj.grid.bits, *pointers, proj.code_rows, amx_rows)
+    return _Linear(kind, n, k, proj.grid.bits, *_grid_pointers(proj.grid), None, 0, amx_rows)
 
 
 class FusedLayers:

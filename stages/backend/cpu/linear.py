@@ -18,8 +18,13 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
   single row decodes the codes straight into its FMAs), 16 rows 68.7 -> 56.1, 64 rows 139.9
   -> 130.8 and 176.3 -> 150.6, 512 rows 1599 -> 1182.
 - `CpuBf16Linear` (CPU, bf16, where the CPU has AVX512_BF16): the weight packed for
-  vdpbf16ps and multiplied by the kernels (`csrc/`) at every row count (faster than oneDNN at each,
-  and a row's result does not depend on what it is batched with).
+  vdpbf16ps and multiplied by the kernels (`csrc/`) at every row count (faster than oneDNN at each
+  on a Zen 4/5 EPYC, and a row's result does not depend on what it is batched with). Where the
+  CPU has AMX, calls of `amx_rows` rows or more run on its tiles over the same panels
+  (csrc/matmul_amx.c; the row count measured once per machine: amx_choice.py): 1.2-B Llama
+  shapes, 2 threads, Xeon with AMX, one run, ms, vdpbf16ps / tiles / oneDNN: [16384, 2048] at 16
+  rows 6.54 / 2.46 / 5.00, 128 rows 51.0 / 8.95 / 11.3, 512 rows 203 / 34.8 / 30.0. A row's
+  result then depends on which side of amx_rows its batch falls (a bf16 rounding apart).
 - `GridBf16Linear` (CPU, bf16, AVX512_BF16; `PPRING_GRID_ACTIVATIONS=bf16`, or a CPU without
   VNNI): a weight whose checkpoint values lie on a GGUF grid, held as its codes, decoded pair by
   pair into the same bf16 CpuBf16Linear would hold, and as CpuBf16Linear's panels too: the same
@@ -54,6 +59,7 @@ import torch
 from torch import nn
 
 from stages.backend.cpu import grid
+from stages.backend.cpu.amx_choice import amx_rows_for
 from stages.backend.cpu.codes import GridCodes, GridPairs, GridQuads
 from stages.backend.cpu.grid import quad_rows, rows_of
 from stages.backend.cpu.native import PANEL, NativeKernels
@@ -82,10 +88,12 @@ class CpuBf16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape  # N, K
         # [ceil(N/16), ceil(K/2), 16, 2]
         self.register_buffer("panels", kernels.pack_bf16(weight.detach()))
+        self.amx_rows = 0  # calls of this many rows or more on AMX tiles; 0: never (make_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, K] -> [T, N]; K itself is checked (the panels know only ceil(K / 2))
-        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features)
+        amx = 0 < self.amx_rows <= x.shape[0]
+        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features, amx)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] (a tied lm_head serves the embedding lookup)."""
@@ -224,11 +232,13 @@ class GridBf16Linear(_HeldAsCodes):
         super().__init__(grid, kernels)
         self.register_buffer("panels", panels)  # [ceil(N/16), K / 2, 16, 2] bf16
         self.code_rows = code_rows
+        self.amx_rows = 0  # calls of this many rows or more on AMX tiles; 0: never (make_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.code_rows:
+        amx = 0 < self.amx_rows <= x.shape[0]
+        if x.shape[0] <= self.code_rows and not amx:
             return self.kernels.linear_grid_bf16(x, self.grid)  # [T, K] -> [T, N]
-        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features)
+        return self.kernels.linear_bf16(x, self.panels, self.out_features, self.in_features, amx)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup)."""
@@ -282,16 +292,24 @@ class GridA8Linear(_HeldAsCodes):
     8.9 ms, 16 rows 10.3 / 13.1, 32 rows 18.5 / 22.7, 128 rows 62 / 88. The results are not
     bit for bit the bf16 panels' (x loses bits to its int8 grid; docs/engine.md: perplexity),
     but a row's result still depends on that row alone. `PPRING_GRID_ACTIVATIONS=bf16` keeps
-    GridBf16Linear instead."""
+    GridBf16Linear instead. Where the CPU has AMX, calls of `amx_rows` rows or more (prefill
+    chunks; measured: 16 on the 2-core Xeon) take x unquantized, times the codes decoded to bf16
+    a unit at a time, on AMX tiles (csrc/matmul_amx.c ppr_linear_grid_a8_amx): the default
+    model's 1,500-token prefill (`ppring bench prefill`, 2 threads, one run) 2.10 -> 1.07 s. A
+    row's result then depends on which side of amx_rows its batch falls."""
 
     grid: GridQuads
 
     def __init__(self, grid: GridQuads, kernels: NativeKernels, passes: int = 2) -> None:
         super().__init__(grid, kernels)
         self.passes = passes  # int8 passes over each row of x: 2 (the default) or 1
+        # calls of this many rows or more: x unquantized times the codes decoded to bf16, on
+        # AMX tiles (a prefill chunk); 0: never (make_linear)
+        self.amx_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_grid_a8(x, self.grid, self.passes)  # [T, K] -> [T, N]
+        amx = 0 < self.amx_rows <= x.shape[0]
+        return self.kernels.linear_grid_a8(x, self.grid, self.passes, amx)  # [T, K] -> [T, N]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of the weight, [T, K] bf16 (a tied lm_head serves the lookup): the
@@ -408,7 +426,9 @@ def make_linear(
         return (grids and grid_linear(weight, kernels)) or CpuLinear(weight, kernels)
     if on_cpu and dtype == torch.bfloat16 and kernels.bf16_dot:
         held = grids and grid_bf16_stage_linear(weight, kernels, switches.grid_activations)
-        return held or CpuBf16Linear(weight.to(torch.bfloat16), kernels)
+        module = held or CpuBf16Linear(weight.to(torch.bfloat16), kernels)
+        module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
+        return module
     return DenseLinear(weight.to(dtype))
 
 
@@ -449,8 +469,26 @@ def check_quantization(
 
 
 def describe_matrices(modules: list[nn.Module], dtype: torch.dtype) -> str:
-    """How a CPU stage holds its fp32 or bf16 matrices (`modules`: all of the stage's), for the
-    start-up log."""
+    """How a CPU stage holds its fp32 or bf16 matrices (`modules`: all of the stage's) and where
+    they move to AMX tiles, for the start-up log."""
+    return _describe_held(modules, dtype) + _describe_amx(modules)
+
+
+def _describe_amx(modules: list[nn.Module]) -> str:
+    """ "; AMX tiles from R rows" (the matrices' measured row counts, as a range where they
+    differ), or "" where no matrix takes them."""
+    kinds = (CpuLinear, CpuBf16Linear, GridLinear, GridBf16Linear, GridA8Linear)
+    matrices = [m for m in modules if isinstance(m, kinds)]
+    counts = sorted({m.amx_rows for m in matrices if getattr(m, "amx_rows", 0) > 0})
+    if not counts:
+        return ""
+    some = sum(getattr(m, "amx_rows", 0) > 0 for m in matrices)
+    which = "" if some == len(matrices) else f" ({some} of {len(matrices)} matrices)"
+    rows = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return f"; AMX tiles from {rows} rows{which}"
+
+
+def _describe_held(modules: list[nn.Module], dtype: torch.dtype) -> str:
     name = "fp32" if dtype == torch.float32 else "bf16"
     coded = (GridLinear, GridBf16Linear, GridA8Linear)
     grids = [m.grid.name for m in modules if isinstance(m, coded)]

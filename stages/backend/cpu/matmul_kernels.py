@@ -22,6 +22,7 @@ class MatmulKernels:
 
     _lib: ctypes.CDLL
     bf16_dot: bool
+    amx_bf16: bool
     a8_dot: bool
 
     def pack_f32(self, weight: torch.Tensor) -> torch.Tensor:
@@ -179,10 +180,13 @@ class MatmulKernels:
         panels: torch.Tensor,
         out_features: int,
         in_features: int | None = None,
+        amx: bool = False,
     ) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N], bf16, for W [N, K] packed by `pack_bf16`; sums in fp32,
         each result rounded once. Only where `bf16_dot` (AVX512_BF16). `in_features`: K, where
-        the caller knows it (the panels hold ceil(K / 2) pairs, so an odd K is ambiguous)."""
+        the caller knows it (the panels hold ceil(K / 2) pairs, so an odd K is ambiguous).
+        `amx`: on AMX tiles (csrc/matmul_amx.c) where `amx_bf16` and K % 32 == 0, else with
+        vdpbf16ps."""
         x = x.contiguous()
         m, k = x.shape
         if (
@@ -198,9 +202,12 @@ class MatmulKernels:
                 f"panels {tuple(panels.shape)} {panels.dtype} for N = {out_features}"
             )
         y = torch.empty(m, out_features, dtype=torch.bfloat16)
-        if self._lib.ppr_linear_bf16(
-            x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, out_features, k
-        ):
+        if m == 0:
+            return y
+        args = (x.data_ptr(), panels.data_ptr(), y.data_ptr(), m, out_features, k)
+        if amx and self.amx_bf16 and k % 32 == 0 and self._lib.ppr_linear_bf16_amx(*args) == 0:
+            return y
+        if self._lib.ppr_linear_bf16(*args):
             raise RuntimeError("these kernels were built without AVX512_BF16: use F.linear")
         return y
 
@@ -256,13 +263,24 @@ class MatmulKernels:
             raise RuntimeError("these kernels were built without AVX512_BF16")
         return panels
 
-    def linear_grid_a8(self, x: torch.Tensor, quads: GridQuads, passes: int = 2) -> torch.Tensor:
+    def linear_grid_a8(
+        self, x: torch.Tensor, quads: GridQuads, passes: int = 2, amx: bool = False
+    ) -> torch.Tensor:
         """x [M, K] @ W^T -> [M, N] bf16, for W held as grid codes in the int8-activation
         layout (backend/cpu/grid.py GridQuads): each row of x quantized to int8 per block of 32 in
         `passes` passes (2: the second quantizes what the first missed), the products summed in
-        integers (matmul_a8.c ppr_linear_grid_a8). Only where `a8_dot`."""
+        integers (matmul_a8.c ppr_linear_grid_a8). Only where `a8_dot`. `amx` (where
+        `amx_bf16`): x unquantized, times the codes decoded to bf16 a unit at a time, on AMX
+        tiles (csrc/matmul_amx.c ppr_linear_grid_a8_amx)."""
         if passes not in (1, 2):
             raise ValueError(f"linear_grid_a8 quantizes x in 1 or 2 passes, not {passes}")
+        if amx and self.amx_bf16 and x.shape[0] > 0:
+            try:
+                return self._bf16_over_codes(
+                    self._lib.ppr_linear_grid_a8_amx, "linear_grid_a8", x, quads, "refused"
+                )
+            except RuntimeError:
+                pass  # refused (a shape the tiles do not take, no memory): the integer kernel
         return self._bf16_over_codes(
             self._lib.ppr_linear_grid_a8, "linear_grid_a8", x, quads,
             "kernels without AVX512_BF16 and VNNI, or no memory", passes,

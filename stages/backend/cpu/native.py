@@ -88,6 +88,18 @@ class NativeKernels(MatmulKernels):
         lib.ppr_pack_bf16.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_bf16.restype = ctypes.c_int
         lib.ppr_linear_bf16.argtypes = [_vp] * 3 + [ctypes.c_int] * 3
+        lib.ppr_has_amx_bf16.restype = ctypes.c_int
+        # AMX tiles over the same panels (ppr_linear_bf16_amx), where the CPU has AMX-BF16 and
+        # the kernel grants this process the tile state (asked here, once)
+        self.amx_bf16 = self.bf16_dot and bool(lib.ppr_has_amx_bf16())
+        lib.ppr_linear_bf16_amx.restype = ctypes.c_int
+        lib.ppr_linear_bf16_amx.argtypes = [_vp] * 3 + [ctypes.c_int] * 3
+        lib.ppr_prefill_attention_amx.restype = ctypes.c_int
+        lib.ppr_prefill_attention_amx.argtypes = [_vp] * 3 + [ctypes.c_int] * 4 + [_vp]
+        lib.ppr_prefill_attention_amx.argtypes += [ctypes.c_int, ctypes.c_int64]
+        lib.ppr_prefill_attention_amx.argtypes += [ctypes.c_int] * 3 + [ctypes.c_float]
+        lib.ppr_linear_grid_a8_amx.restype = ctypes.c_int
+        lib.ppr_linear_grid_a8_amx.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_linear_grid_bf16.restype = ctypes.c_int
         lib.ppr_linear_grid_bf16.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_unpack_grid_bf16.restype = ctypes.c_int
@@ -150,10 +162,12 @@ class NativeKernels(MatmulKernels):
         ctx_len: torch.Tensor,
         block_table: torch.Tensor,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, h, d] (RoPE applied); kv_layer [2, slots, h_kv, d] with this step's K/V written;
         q_start, q_len, ctx_len [N] int32; block_table [N, max_blocks] int32 covering each
-        context. Returns [T, h, d]: each row attends causally to its own sequence's keys."""
+        context. Returns [T, h, d]: each row attends causally to its own sequence's keys. `out`
+        [T, h, d] (like q): written there instead, only the rows of these N sequences."""
         num_tokens, num_heads, head_dim = q.shape
         _, num_slots, num_kv_heads, kv_dim = kv_layer.shape
         if kv_dim != head_dim:
@@ -162,7 +176,11 @@ class NativeKernels(MatmulKernels):
         _check(kv_layer, kv_layer)
         if block_table.dtype is not torch.int32 or not block_table.is_contiguous():
             raise ValueError("the block table must be contiguous int32")
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape:
+            raise ValueError(f"out {tuple(out.shape)} is not shaped as q {tuple(q.shape)}")
+        _check(out, q)
         for meta in (q_start, q_len, ctx_len):
             if meta.dtype is not torch.int32 or tuple(meta.shape) != tuple(q_start.shape[:1]):
                 raise ValueError("q_start, q_len and ctx_len must be [N] int32 each")
@@ -192,6 +210,38 @@ class NativeKernels(MatmulKernels):
                 f"paged attention failed for {num_heads} heads over {num_kv_heads} KV heads"
             )
         return out
+
+    def prefill_attention_amx(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        out: torch.Tensor,
+        q_start: int,
+        q_len: int,
+        ctx_len: int,
+        table: torch.Tensor,
+        scale: float,
+    ) -> bool:
+        """Rows [q_start, q_start + q_len) of out [T, h, d] (bf16, like q): one sequence's chunk
+        attending causally to its ctx_len keys in the pages `table` [pages] int32 names, on AMX
+        tiles (csrc/attention_amx.c). False where the kernels refuse (no AMX-BF16, a cache not
+        held as pairs, a shape they do not take): the caller takes another path. Indices
+        outside the tensors raise, as paged_attention's."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, num_slots, num_kv_heads, _ = kv_layer.shape
+        _check(q, kv_layer)
+        _check(out, q)
+        if out.shape != q.shape or kv_layer.shape[-1] != head_dim:
+            raise ValueError("out must be shaped as q, and the cache's head_dim q's")
+        if table.dtype is not torch.int32 or table.dim() != 1 or not table.is_contiguous():
+            raise ValueError("the block table row must be contiguous int32 [pages]")
+        status = self._lib.ppr_prefill_attention_amx(
+            q.data_ptr(), kv_layer.data_ptr(), out.data_ptr(), num_tokens, q_start, q_len,
+            ctx_len, table.data_ptr(), table.shape[0], num_slots, num_heads, num_kv_heads,
+            head_dim, scale,
+        )  # fmt: skip
+        check_status(status, "prefill attention", num_tokens, num_slots)
+        return status == 0
 
     def kv_as_pairs(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build holds a cache of this dtype and head_dim as pairs (ppring.h

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from stages.backend.cpu.native import NativeKernels
+from stages.backend.cpu.prefill_attention import PrefillAttention
 from stages.backend.torch.ops import _rope_fp32
 from stages.inputs import ForwardInputs
 
@@ -16,21 +17,47 @@ class NativeOps:
 
     name = "native"
 
-    def __init__(self, kernels: NativeKernels) -> None:
+    def __init__(self, kernels: NativeKernels, prefill: PrefillAttention | None = None) -> None:
+        """`prefill`: long prefill chunks' attention (SDPA on a CPU with AMX tiles), or None."""
         self.add_rms_norm = kernels.add_rms_norm
         self.rope_store = kernels.rope_store
         self.silu_mul = kernels.silu_mul
         self.row_argmax = kernels.row_argmax
         self._kernels = kernels
         self._rope: RopeTable | None = None
+        self.prefill = prefill
+
+    @classmethod
+    def for_stage(
+        cls, kernels: NativeKernels, dtype: torch.dtype | None, tiles: bool = True
+    ) -> NativeOps:
+        """The ops of a stage computing in `dtype`: long prefill chunks on AMX tiles where the
+        CPU has them, the stage computes in bf16 and `tiles` (PPRING_AMX_ROWS is not 0)
+        allows them (backend/cpu/prefill_attention.py)."""
+        prefill = None
+        if dtype == torch.bfloat16 and kernels.amx_bf16 and tiles:
+            prefill = PrefillAttention(kernels)
+        return cls(kernels, prefill)
+
+    def long_chunks(self, inputs: ForwardInputs) -> bool:
+        """Whether this batch has a chunk whose attention is not the paged kernel's (the fused
+        stack, whose attention is, leaves such a batch to the layers' calls)."""
+        return (
+            self.prefill is not None
+            and inputs.paged is not None
+            and self.prefill.takes(inputs.paged)
+        )
 
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
     ) -> torch.Tensor:
         """TorchOps.attention, reading K and V in place a 16-slot page at a time (on a stage
-        with the kernels every forward's inputs carry the paged metadata: stages/inputs.py)."""
+        with the kernels every forward's inputs carry the paged metadata: stages/inputs.py);
+        a long prefill chunk's on SDPA where `prefill` takes it."""
         paged = inputs.paged
         assert paged is not None
+        if self.prefill is not None and self.prefill.takes(paged):
+            return self.prefill(q, kv_layer, paged, q.shape[-1] ** -0.5)
         return self._kernels.paged_attention(
             q, kv_layer, paged.q_start, paged.q_len, paged.ctx_len, paged.block_table,
             q.shape[-1] ** -0.5,

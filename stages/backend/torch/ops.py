@@ -104,6 +104,10 @@ class TorchOps:
         tokens written -> [T, h, d]."""
         return gather_attention(q, kv_layer, inputs)
 
+    def long_chunks(self, inputs: ForwardInputs) -> bool:
+        """(torch's ops have no compiled layers to leave)"""
+        return False
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] -> [T, d]; statistics in fp32 whatever the dtype, as transformers does.

@@ -9,7 +9,22 @@
  * ~70 us a layer, most of a single stream's step after its matmuls). backend/cpu/fused_layer.py
  * fills these structs once at load and calls ppr_decoder_layers (every layer) once a step. */
 
+/* whether a call of M rows takes the AMX tiles (ppr_linear_t amx_rows) */
+static inline int amx_call(const ppr_linear_t *w, int M) {
+    return w->amx_rows > 0 && M >= w->amx_rows;
+}
+
 static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void *y, int M) {
+    /* on the tiles where the stage chose them; a refusal (a shape they do not take, no memory)
+     * falls through to the kernel below */
+    if (elem_bytes == 2 && amx_call(w, M)) {
+        if ((w->kind == PPR_BF16 || (w->kind == PPR_GRID_BF16 && w->panels)) &&
+            ppr_linear_bf16_amx(x, w->kind == PPR_BF16 ? w->a : w->panels, y, M, w->n, w->k) == 0)
+            return 0;
+        if ((w->kind == PPR_GRID_A8 || w->kind == PPR_GRID_A8_1) &&
+            ppr_linear_grid_a8_amx(x, w->a, w->b, w->c, y, M, w->n, w->k, w->bits) == 0)
+            return 0;
+    }
     switch (w->kind) {
     case PPR_F32:
         if (elem_bytes != 4) return -1;
@@ -135,20 +150,23 @@ static void a8_linear_in_team(const ppr_linear_t *w, const void *x, void *y, int
 }
 
 /* a grid-a8 matrix of the stack's kind (every matrix of the stack quantizes its rows alike) */
-static int a8_in_team_ok(const ppr_linear_t *w, int kind) {
+static int a8_in_team_ok(const ppr_linear_t *w, int kind, int T) {
     return (kind == PPR_GRID_A8 || kind == PPR_GRID_A8_1) && w->kind == kind &&
-           a8_weight_ok(w->k, w->bits, w->c);
+           a8_weight_ok(w->k, w->bits, w->c) && !amx_call(w, T);
 }
 
-/* Whether the stack runs in one team: bf16, every matrix grid-a8, and every layer's attention
- * of one shape (one plan serves them all). */
+/* Whether the stack runs in one team: bf16, every matrix grid-a8 at a row count below its
+ * tiles' (those open a team of their own), and every layer's attention of one shape (one plan
+ * serves them all). */
 static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *s) {
     if (s->elem_bytes != 2 || s->num_tokens <= 0 || n <= 0) return 0;
     for (int i = 0; i < n; i++) {
         const ppr_layer_t *L = &layers[i];
         const int kind = layers[0].qkv.kind;
-        if (!a8_in_team_ok(&L->qkv, kind) || !a8_in_team_ok(&L->o, kind) ||
-            !a8_in_team_ok(&L->gate_up, kind) || !a8_in_team_ok(&L->down, kind) ||
+        if (!a8_in_team_ok(&L->qkv, kind, s->num_tokens) ||
+            !a8_in_team_ok(&L->o, kind, s->num_tokens) ||
+            !a8_in_team_ok(&L->gate_up, kind, s->num_tokens) ||
+            !a8_in_team_ok(&L->down, kind, s->num_tokens) ||
             !attention_shapes_ok(2, L->num_heads, L->num_kv_heads))
             return 0;
         if (L->num_heads != layers[0].num_heads || L->num_kv_heads != layers[0].num_kv_heads ||
@@ -350,7 +368,7 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_linear_t, k),    offsetof(ppr_linear_t, bits),
         offsetof(ppr_linear_t, a),    offsetof(ppr_linear_t, b),
         offsetof(ppr_linear_t, c),    offsetof(ppr_linear_t, panels),
-        offsetof(ppr_linear_t, code_rows),
+        offsetof(ppr_linear_t, code_rows), offsetof(ppr_linear_t, amx_rows),
     };
     static const int64_t layer[] = {
         offsetof(ppr_layer_t, qkv),          offsetof(ppr_layer_t, o),

@@ -26,10 +26,12 @@
  * the small per-row and per-vector helpers more than one file inlines, and the declarations of
  * what one file defines and another calls. By concern:
  *   attention.c    paged attention: its tasks, plan and per-page kernels
+ *   attention_amx.c  a long prefill chunk's attention on AMX tiles
  *   matmul_f32.c   fp32 matmuls over packed panels and over grid codes
  *   matmul_int8.c  weight-only int8 matmuls
  *   matmul_bf16.c  bf16 matmuls over packed panels and over grid codes (vdpbf16ps)
  *   matmul_a8.c    grid codes x int8-quantized activations (vpdpbusd)
+ *   matmul_amx.c   bf16 matmuls on AMX tiles, over matmul_bf16.c's panels
  *   ops.c          the small ops: norms, RoPE and the cache store, SiLU, argmax, biases
  *   layers.c       a whole decoder layer stack in one call, the greedy lm_head, the structs */
 #ifndef PPRING_H
@@ -64,6 +66,12 @@
  * team (layers.c) */
 #if defined(HAVE_BF16_DOT) && defined(__AVX512VNNI__)
 #define HAVE_A8_DOT
+#endif
+
+/* AMX tiles with bf16 products (matmul_amx.c), where the build targets a CPU that has them; the
+ * process must still be granted the tile state at run time (ppr_has_amx_bf16) */
+#if defined(HAVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX_BF16
 #endif
 
 /* A function one file of the kernels defines and another calls: in the library, not exported
@@ -108,6 +116,10 @@ typedef struct {
      * code_rows rows multiply the bf16 panels instead, for the same results; NULL: codes only */
     const void *panels;
     int32_t code_rows;
+    /* calls of at least amx_rows rows multiply on AMX tiles (matmul_amx.c), over the panels
+     * (PPR_BF16, PPR_GRID_BF16) or the codes decoded a unit at a time (PPR_GRID_A8*); 0: never.
+     * The stage measures where the tiles start to win (backend/cpu/amx_choice.py). */
+    int32_t amx_rows;
 } ppr_linear_t;
 
 /* What a layer holds: its four matrices, two norm weights [d] and its shape; then what some
@@ -701,6 +713,15 @@ void ppr_linear_int8(int elem_bytes, const void *x, const int8_t *w, const float
 int ppr_linear_int8_quads(int elem_bytes, const void *x, const int8_t *w, const float *scale,
                           void *y, int M, int N, int K);
 int ppr_linear_bf16(const uint16_t *x, const uint16_t *panels, uint16_t *y, int M, int N, int K);
+int ppr_has_amx_bf16(void);
+int ppr_linear_bf16_amx(const uint16_t *x, const uint16_t *panels, uint16_t *y, int M, int N,
+                        int K);
+int ppr_prefill_attention_amx(const uint16_t *q, const uint16_t *kv, uint16_t *out, int num_tokens,
+                              int q_start, int q_len, int ctx_len, const int32_t *table,
+                              int table_len, int64_t num_slots, int H, int Hkv, int D,
+                              float scale);
+int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
+                           const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits);
 int ppr_linear_grid_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
                          const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits);
 int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
