@@ -1,19 +1,18 @@
-"""A long prefill chunk's attention on a CPU with AMX tiles: torch's SDPA over its context's K and
-V, gathered from the paged cache.
+"""A long prefill chunk's attention on a CPU with AMX tiles (csrc/attention_amx.c), or torch's SDPA
+over its context's K and V, gathered from the paged cache, where that kernel refuses.
 
 ppring's paged kernel (csrc/attention.c) scores a query row at a time against each 16-key page
 with vdpbf16ps: right for decodes, which read the cache once and are bound by it, but a chunk of
-hundreds of rows is bound by arithmetic there. torch's CPU flash attention multiplies blocks of
-queries and keys as matrices (oneDNN's brgemm, on AMX tiles where the CPU has them). Measured on
-the 2-core Xeon with AMX, the default model (9 heads, 3 KV heads, d 64), a 1,500-token prompt
-in chunks of 512, bf16: the whole prefill spent ~840 ms outside its matmuls in the paged kernel
-(1.08 s to the first token), one layer's SDPA over the last chunk (476 rows x 1,500 keys) took
-4.3 ms.
+many rows is bound by arithmetic there. Measured on the 2-core Xeon with AMX, the default model
+(9 heads, 3 KV heads, d 64), a 1,500-token prompt in chunks of 512, bf16 (`ppring bench
+prefill`, one run each): 1.07 s to the first token with its attention paged (~840 ms of it),
+0.78 s with SDPA over the gathered context (torch's CPU flash attention: 4.3 ms a layer for the
+last chunk, 476 rows x 1,500 keys), 0.65 s on the tiles (transformers' bf16 forward: 0.86-0.96 s).
 
-A chunk of at least `min_rows` rows goes to SDPA, the rest of the batch (decodes, short chunks)
-to the paged kernel, each writing its own rows of one output. A bf16 stage's cache holds each
-page as pairs (ppring.h kv_as_pairs): the gather undoes that with one index_select and one
-permute per half. The context is at most a few MB a layer (1,500 keys: 1.1 MB), read once.
+A chunk of at least `min_rows` rows goes to the tiles (or SDPA), the rest of the batch
+(decodes, short chunks) to the paged kernel, each writing its own rows of one output. For SDPA
+a bf16 stage's cache, which holds each page as pairs (ppring.h kv_as_pairs), is gathered with
+one index_select and one permute per half; the tiles read the pages in place.
 """
 
 from __future__ import annotations
@@ -25,13 +24,17 @@ from stages.backend.cpu.native import NativeKernels
 from stages.batch import BLOCK_SIZE
 from stages.inputs import PagedAttn
 
-# Rows from which a chunk's attention is SDPA's on such a CPU (below, the paged kernel's): a
-# chunk of 128 rows over 128-1,500 keys is already several times the work of a decode batch
-PREFILL_ROWS = 128
+# Rows from which a chunk's attention goes to the tiles (below, the paged kernel's). One layer
+# of the default model (9 heads, 3 KV heads, d 64), 2 threads, medians of 15 alternated calls,
+# paged / tiles, us: 16 rows over no earlier context 24 / 30, 32 rows 33 / 28, 64 rows 78 / 43,
+# 128 rows 205 / 96; after 512 keys, 16 rows 252 / 81, 32 rows 325 / 118; after 1,000 keys,
+# 128 rows 2342 / 712. From 32 rows the tiles win at every context (a batch with such a chunk
+# also leaves the fused stack for the layers' calls, ~2 ms a step of the default model).
+PREFILL_ROWS = 32
 
 
 class PrefillAttention:
-    """SDPA for the long chunks of a batch, the kernels' paged attention for the rest."""
+    """The tiles (or SDPA) for the long chunks of a batch, the paged kernel for the rest."""
 
     def __init__(self, kernels: NativeKernels, min_rows: int | None = None) -> None:
         self._kernels = kernels

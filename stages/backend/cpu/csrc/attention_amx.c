@@ -26,22 +26,6 @@
 #define ATT_ROWS 32 /* query rows a task */
 #define ATT_MAX_D 256
 
-/* ldtilecfg's operand: every tile 16 rows of 64 bytes (S and O blocks 0-3, Q or P 4-5, K or V
- * 6-7) */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) att_config;
-
-static void att_configure(void) {
-    att_config c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
-
 /* one thread's buffers */
 typedef struct {
     uint16_t q[ATT_ROWS * ATT_MAX_D];     /* the task's query rows, zero past its rows */
@@ -102,10 +86,17 @@ static inline void att_values(att_scratch *w, int D) {
             }
             for (int r = 0; r < 16; r++) {
                 float *a = w->acc + (int64_t)(r0 + r) * D + d0;
-                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(w->o + 16 * r)));
+                const __m512 o = _mm512_loadu_ps(w->o + 16 * r);
+                _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), o));
             }
         }
     }
+}
+
+/* the first `seen` of 16 keys (all, none, or a prefix) */
+static inline __mmask16 att_seen_mask(int seen) {
+    if (seen >= 16) return (__mmask16)0xffff;
+    return seen <= 0 ? (__mmask16)0 : (__mmask16)((1u << seen) - 1);
 }
 
 /* one task: query rows [r0, r0 + rows) of head h (KV head g) */
@@ -152,20 +143,21 @@ static void att_task(const uint16_t *q, const uint16_t *kv, uint16_t *out, int q
                 continue;
             }
             const int seen = first_pos + i - key0 + 1; /* keys of these 32 this row sees */
-            const __mmask16 v0 = seen >= 16 ? 0xffff : seen <= 0 ? 0 : (__mmask16)((1u << seen) - 1);
-            const int seen1 = seen - 16;
-            const __mmask16 v1 =
-                seen1 >= 16 ? 0xffff : seen1 <= 0 ? 0 : (__mmask16)((1u << seen1) - 1);
+            const __mmask16 v0 = att_seen_mask(seen), v1 = att_seen_mask(seen - 16);
             const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-            __m512 s0 = _mm512_mask_blend_ps(v0, ninf, _mm512_mul_ps(_mm512_loadu_ps(w->s + i * 32), sc));
-            __m512 s1 = _mm512_mask_blend_ps(v1, ninf, _mm512_mul_ps(_mm512_loadu_ps(w->s + i * 32 + 16), sc));
+            const __m512 s0 =
+                _mm512_mask_blend_ps(v0, ninf, _mm512_mul_ps(_mm512_loadu_ps(w->s + i * 32), sc));
+            const __m512 s1 = _mm512_mask_blend_ps(
+                v1, ninf, _mm512_mul_ps(_mm512_loadu_ps(w->s + i * 32 + 16), sc));
             const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
             if (block_max > w->m[i]) {
-                const float correction = w->m[i] == -INFINITY ? 0.0f : exp_nonpositive(w->m[i] - block_max);
+                const float correction =
+                    w->m[i] == -INFINITY ? 0.0f : exp_nonpositive(w->m[i] - block_max);
                 w->l[i] *= correction;
                 float *a = w->acc + (int64_t)i * D;
+                const __m512 c = _mm512_set1_ps(correction);
                 for (int d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(correction)));
+                    _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), c));
                 w->m[i] = block_max;
             }
             const __m512 mx = _mm512_set1_ps(w->m[i]);
@@ -211,7 +203,7 @@ int ppr_prefill_attention_amx(const uint16_t *q, const uint16_t *kv, uint16_t *o
         failed = !w;
         if (w) {
             memset(w->zero_k, 0, sizeof w->zero_k);
-            att_configure();
+            amx_configure_tiles();
         }
 #pragma omp for schedule(dynamic, 1)
         for (int task = num_tasks - 1; task >= 0; task--) { /* the latest rows, most keys, first */

@@ -30,23 +30,6 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* linux/arch/x86/include/uapi/asm/prctl.h */
 #define XFEATURE_XTILEDATA 18
 
-/* ldtilecfg's 64-byte operand (palette 1) */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_config;
-
-/* tiles 0-3: C (16 x 16 fp32), 4-5: A (16 rows x 32 bf16), 6-7: B (16 pairs x 16 x 2 bf16):
- * every one 16 rows of 64 bytes */
-static void amx_configure(void) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
-
 /* 16 rows x 16 channels of fp32 sums (a stored C tile) -> y's rows [m0, m0 + rows) and
  * channels [16 p, 16 p + 16) (those past N left alone), each rounded to bf16 once */
 static inline void amx_store(const float *sums, uint16_t *y, int N, int p, int m0, int rows) {
@@ -54,7 +37,10 @@ static inline void amx_store(const float *sums, uint16_t *y, int N, int p, int m
         bf16_store16(y + (int64_t)(m0 + r) * N, N, p, _mm512_loadu_ps(sums + 16 * r));
 }
 
-/* y rows [m0, m0 + 16 * mt) x panels p0, p0 + 1 (np of them: 1 or 2) at `unit` (each panel
+/* Tiles (ppring.h amx_configure_tiles): 0-3 the C blocks (16 x 16 fp32), 4-5 x's rows (A),
+ * 6-7 the panels' pairs (B).
+ *
+ * y rows [m0, m0 + 16 * mt) x panels p0, p0 + 1 (np of them: 1 or 2) at `unit` (each panel
  * K2 pairs of 64 bytes), x rows at `x` with `x_stride` bytes a row (padded to whole tiles:
  * `rows_left` of them are y's). mt: 1 or 2 tiles of rows. */
 static inline __attribute__((always_inline)) void amx_block(const int mt, const int np,
@@ -239,7 +225,7 @@ int ppr_linear_bf16_amx(const uint16_t *x, const uint16_t *panels, uint16_t *y, 
 #pragma omp parallel
     {
         float sums[256] __attribute__((aligned(64)));
-        amx_configure();
+        amx_configure_tiles();
 #pragma omp for schedule(static)
         for (int u = 0; u < num_units; u++) {
             const int np = num_panels - 2 * u < 2 ? num_panels - 2 * u : 2;
@@ -278,7 +264,7 @@ int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16
         float sums[256] __attribute__((aligned(64)));
         uint16_t *pairs = aligned_alloc(64, (size_t)2 * K * 32); /* two panels of K / 2 pairs */
         failed = !pairs;
-        if (pairs) amx_configure();
+        if (pairs) amx_configure_tiles();
 #pragma omp for schedule(static)
         for (int u = 0; u < num_units; u++) {
             if (!pairs) continue;

@@ -74,6 +74,26 @@
 #define HAVE_AMX_BF16
 #endif
 
+#ifdef HAVE_AMX_BF16
+/* ldtilecfg's 64-byte operand (palette 1) */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_tile_config;
+
+/* The tiles every AMX kernel here uses (matmul_amx.c, attention_amx.c): all eight 16 rows of
+ * 64 bytes (a C tile: 16 x 16 fp32; an A or B tile: 16 rows of 32 bf16). Each thread loads it
+ * before its first tile instruction and releases the tiles after its last. */
+static inline void amx_configure_tiles(void) {
+    amx_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+#endif
+
 /* A function one file of the kernels defines and another calls: in the library, not exported
  * from it (the exported entry points are the ppr_* ones) */
 #define PPR_INTERNAL __attribute__((visibility("hidden")))
