@@ -216,7 +216,35 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         grid_line = grid_weights_line(choice.dtype, args.quantization, kernels)
         if grid_line:
             lines.append(grid_line)
+        tiles_line = amx_tiles_line(choice.dtype, kernels)
+        if tiles_line:
+            lines.append(tiles_line)
     return lines
+
+
+def amx_tiles_line(dtype: Any, kernels: Any) -> str | None:
+    """Where a bf16 stage on a CPU with AMX multiplies on its tiles (stages/backend/cpu/
+    amx_choice.py, prefill_attention.py), as PPRING_AMX_ROWS says (a bad value is one error
+    here); None where the CPU has no AMX or the stage does not compute in bf16."""
+    import torch
+
+    from stages.backend.cpu.prefill_attention import PREFILL_ROWS
+    from stages.backend.switches import AMX_ROWS_ENV, amx_rows
+
+    if dtype != torch.bfloat16 or kernels is None or not kernels.amx_bf16:
+        return None
+    setting = amx_rows()
+    if setting == "0":
+        return f"AMX tiles: off ({AMX_ROWS_ENV}=0: every row's result independent of its batch)"
+    rows = (
+        "from the row count measured per matrix on this machine (each stage's log names it)"
+        if setting == "auto"
+        else f"from {setting} rows ({AMX_ROWS_ENV})"
+    )
+    return (
+        f"AMX tiles: bf16 matmuls {rows}, prefill chunks of {PREFILL_ROWS}+ rows' attention; "
+        f"{AMX_ROWS_ENV}=0 keeps every row's result independent of its batch"
+    )
 
 
 def grid_weights_line(dtype: Any, quantization: str, kernels: Any) -> str | None:

@@ -164,3 +164,18 @@ def test_the_start_up_summary_names_the_tiles(kernels: native.NativeKernels, mon
     monkeypatch.setenv(AMX_ROWS_ENV, "12")
     modules = [make_linear(torch.randn(32, 64).to(BF16), "none", kernels, BF16)]
     assert "AMX tiles from 12 rows" in linear_module.describe_matrices(modules, BF16)
+
+
+def test_the_launchers_summary_names_the_tiles(kernels: native.NativeKernels, monkeypatch) -> None:
+    from launch.local import amx_tiles_line  # noqa: PLC0415
+
+    monkeypatch.delenv(AMX_ROWS_ENV, raising=False)
+    assert "measured per matrix" in amx_tiles_line(BF16, kernels)
+    monkeypatch.setenv(AMX_ROWS_ENV, "8")
+    assert "from 8 rows" in amx_tiles_line(BF16, kernels)
+    monkeypatch.setenv(AMX_ROWS_ENV, "0")
+    assert "off" in amx_tiles_line(BF16, kernels)
+    assert amx_tiles_line(torch.float32, kernels) is None
+    monkeypatch.setenv(AMX_ROWS_ENV, "lots")
+    with pytest.raises(ConfigError, match=AMX_ROWS_ENV):
+        amx_tiles_line(BF16, kernels)
