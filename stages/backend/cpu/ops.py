@@ -18,7 +18,8 @@ class NativeOps:
     name = "native"
 
     def __init__(self, kernels: NativeKernels, prefill: PrefillAttention | None = None) -> None:
-        """`prefill`: long prefill chunks' attention (SDPA on a CPU with AMX tiles), or None."""
+        """`prefill`: long prefill chunks' attention (on AMX tiles, where the CPU has them), or
+        None."""
         self.add_rms_norm = kernels.add_rms_norm
         self.rope_store = kernels.rope_store
         self.silu_mul = kernels.silu_mul
@@ -53,7 +54,7 @@ class NativeOps:
     ) -> torch.Tensor:
         """TorchOps.attention, reading K and V in place a 16-slot page at a time (on a stage
         with the kernels every forward's inputs carry the paged metadata: stages/inputs.py);
-        a long prefill chunk's on SDPA where `prefill` takes it."""
+        a long prefill chunk's on AMX tiles where `prefill` takes it."""
         paged = inputs.paged
         assert paged is not None
         if self.prefill is not None and self.prefill.takes(paged):
