@@ -126,3 +126,22 @@ def test_a_stage_takes_sdpa_for_its_long_chunks_with_the_paged_paths_logits(
     for got, expected in zip(with_sdpa, paged_only, strict=True):
         assert torch.isfinite(got).all()
         assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gathered_context_is_the_cache_in_rows(
+    kernels: native.NativeKernels, dtype: torch.dtype
+) -> None:
+    """SDPA's K and V (where the tiles refuse) from the cache in either layout: the context's
+    slots, in order, in rows."""
+    (chunk,), num_blocks = scattered_chunks([(30, 7)], random.Random(3), spare_blocks=2)
+    start, n, blocks = chunk
+    kv = torch.randn(2, num_blocks * BLOCK_SIZE, 3, 64).to(dtype)
+    context = start + n
+    slots = torch.tensor(
+        [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context)]
+    )
+    table = torch.tensor(blocks, dtype=torch.int32)
+    k, v = PrefillAttention(kernels)._context(kernels.to_cache_layout(kv), table, context)
+    assert torch.equal(k, kv[0, slots].transpose(0, 1))
+    assert torch.equal(v, kv[1, slots].transpose(0, 1))

@@ -47,14 +47,21 @@ def amx_rows_for(module: nn.Module, kernels: NativeKernels, setting: str = "auto
         return int(setting)
     key = _key(module)
     path = kernels.path.with_suffix(SUFFIX)
-    table = _read(path)
+    if path not in _TABLES:  # read once a process, not once a matrix
+        _TABLES[path] = _read(path)
+    table = _TABLES[path]
     if key not in table:
-        table = _read(path)  # another stage of this machine may have written it meanwhile
         rows = measure(module)
+        # merged into the file as it is now: another stage may have written to it meanwhile
+        table.update(_read(path))
         table[key] = rows
         _write(path, table)
         logger.info("AMX tiles for %s: from %s rows (measured)", key, rows or "no")
     return int(table[key])
+
+
+# each file's choices as this process has read and written them
+_TABLES: dict[Path, dict[str, int]] = {}
 
 
 def measure(module: nn.Module) -> int:

@@ -474,11 +474,14 @@ def describe_matrices(modules: list[nn.Module], dtype: torch.dtype) -> str:
     return _describe_held(modules, dtype) + _describe_amx(modules)
 
 
+_CODED = (GridLinear, GridBf16Linear, GridA8Linear)  # matrices held as GGUF codes
+_KERNEL_MATRICES = (CpuLinear, CpuBf16Linear, *_CODED)  # every matrix the kernels multiply
+
+
 def _describe_amx(modules: list[nn.Module]) -> str:
     """ "; AMX tiles from R rows" (the matrices' measured row counts, as a range where they
     differ), or "" where no matrix takes them."""
-    kinds = (CpuLinear, CpuBf16Linear, GridLinear, GridBf16Linear, GridA8Linear)
-    matrices = [m for m in modules if isinstance(m, kinds)]
+    matrices = [m for m in modules if isinstance(m, _KERNEL_MATRICES)]
     counts = sorted({m.amx_rows for m in matrices if getattr(m, "amx_rows", 0) > 0})
     if not counts:
         return ""
@@ -490,10 +493,8 @@ def _describe_amx(modules: list[nn.Module]) -> str:
 
 def _describe_held(modules: list[nn.Module], dtype: torch.dtype) -> str:
     name = "fp32" if dtype == torch.float32 else "bf16"
-    coded = (GridLinear, GridBf16Linear, GridA8Linear)
-    grids = [m.grid.name for m in modules if isinstance(m, coded)]
-    kinds = (CpuLinear, CpuBf16Linear, *coded)
-    total = sum(isinstance(m, kinds) for m in modules)
+    grids = [m.grid.name for m in modules if isinstance(m, _CODED)]
+    total = sum(isinstance(m, _KERNEL_MATRICES) for m in modules)
     if not total:
         return f"{name}, multiplied by torch"
     if not grids:

@@ -72,7 +72,7 @@ class PrefillAttention:
                 q, kv_layer, out, start, rows, context, table, scale
             ):
                 continue  # on AMX tiles, in place (csrc/attention_amx.c)
-            k, v = self._context(kv_layer, table, context, pairs)  # [h_kv, ctx, d] each
+            k, v = self._context(kv_layer, table, context)  # [h_kv, ctx, d] each
             o = F.scaled_dot_product_attention(
                 q[start : start + rows].transpose(0, 1).unsqueeze(0),  # [1, h, rows, d]
                 k.unsqueeze(0),
@@ -85,28 +85,21 @@ class PrefillAttention:
             out[start : start + rows] = o[0].transpose(0, 1)
         return out
 
-    @staticmethod
     def _context(
-        kv_layer: torch.Tensor, table: torch.Tensor, context: int, pairs: bool
+        self, kv_layer: torch.Tensor, table: torch.Tensor, context: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of a sequence's first `context` positions, [h_kv, context, d] each, in rows."""
+        """K and V of a sequence's first `context` positions, [h_kv, context, d] each, in rows:
+        its pages gathered, then out of the cache's layout by the kernels' own conversion
+        (NativeKernels.from_cache_layout, which knows the pairs)."""
         _, num_slots, h, d = kv_layer.shape
         pages = -(-context // BLOCK_SIZE)
         blocks = table[:pages].long()
         if int(blocks.min()) < 0 or int(blocks.max()) >= num_slots // BLOCK_SIZE:
             raise IndexError(f"a block id outside the cache's {num_slots // BLOCK_SIZE} blocks")
-        k_pages, v_pages = (
-            half.reshape(num_slots // BLOCK_SIZE, BLOCK_SIZE * h * d).index_select(0, blocks)
-            for half in kv_layer
-        )
-        if pairs:  # K [h, d / 2, 16, 2] and V [h, 8, d, 2] a page
-            k = k_pages.view(pages, h, d // 2, BLOCK_SIZE, 2).permute(1, 0, 3, 2, 4)
-            v = v_pages.view(pages, h, BLOCK_SIZE // 2, d, 2).permute(1, 0, 2, 4, 3)
-        else:  # rows: [16, h, d] a page
-            k = k_pages.view(pages, BLOCK_SIZE, h, d).permute(2, 0, 1, 3)
-            v = v_pages.view(pages, BLOCK_SIZE, h, d).permute(2, 0, 1, 3)
-        rows = pages * BLOCK_SIZE
-        return k.reshape(h, rows, d)[:, :context], v.reshape(h, rows, d)[:, :context]
+        gathered = kv_layer.view(2, num_slots // BLOCK_SIZE, BLOCK_SIZE * h * d)
+        gathered = gathered.index_select(1, blocks).view(2, pages * BLOCK_SIZE, h, d)
+        k, v = self._kernels.from_cache_layout(gathered)[:, :context].transpose(1, 2)
+        return k, v
 
     def _mask(self, rows: int, context: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, context]: 0 where query i sees key j (j <= context - rows + i), -inf above.

@@ -188,18 +188,15 @@ static void amx_decode_panel(const uint8_t *codes, const uint16_t *d, const uint
         }
     }
 }
+
 /* x's rows in whole tiles: x itself where M is a multiple of 16, else a zero-padded copy
- * (*padded, for the caller to free; NULL when that allocation failed, *ok = 0) */
-static const uint16_t *amx_padded_rows(const uint16_t *x, int M, int K, uint16_t **padded,
-                                       int *ok) {
-    *padded = NULL, *ok = 1;
+ * (*padded, for the caller to free). NULL when that allocation failed. */
+static const uint16_t *amx_padded_rows(const uint16_t *x, int M, int K, uint16_t **padded) {
+    *padded = NULL;
     if (M % 16 == 0) return x;
     const int M_tiles = (M + 15) / 16;
     *padded = aligned_alloc(64, (size_t)M_tiles * 16 * K * 2);
-    if (!*padded) {
-        *ok = 0;
-        return NULL;
-    }
+    if (!*padded) return NULL;
     memcpy(*padded, x, (size_t)M * K * 2);
     memset(*padded + (int64_t)M * K, 0, (size_t)(M_tiles * 16 - M) * K * 2);
     return *padded;
@@ -217,9 +214,8 @@ int ppr_linear_bf16_amx(const uint16_t *x, const uint16_t *panels, uint16_t *y, 
 #ifdef HAVE_AMX_BF16
     if (!ppr_has_amx_bf16() || !amx_shape_ok(M, N, K)) return PPR_REFUSED;
     uint16_t *padded;
-    int ok;
-    const uint16_t *rows = amx_padded_rows(x, M, K, &padded, &ok);
-    if (!ok) return PPR_REFUSED;
+    const uint16_t *rows = amx_padded_rows(x, M, K, &padded);
+    if (!rows) return PPR_REFUSED;
     const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t unit_elems = (int64_t)2 * (K / 2) * 32; /* two panels of K / 2 pairs */
 #pragma omp parallel
@@ -252,9 +248,8 @@ int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16
     if (!ppr_has_amx_bf16() || !amx_shape_ok(M, N, K) || !a8_weight_ok(K, bits, offset))
         return PPR_REFUSED;
     uint16_t *padded;
-    int ok;
-    const uint16_t *rows = amx_padded_rows(x, M, K, &padded, &ok);
-    if (!ok) return PPR_REFUSED;
+    const uint16_t *rows = amx_padded_rows(x, M, K, &padded);
+    if (!rows) return PPR_REFUSED;
     const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t panel_codes = (int64_t)K * PANEL * bits / 8;
     const int64_t panel_scales = (int64_t)(K / GRID_BLOCK) * PANEL;
