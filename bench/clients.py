@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from bench.workload import Request
@@ -94,19 +95,22 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True},
         }
         sent, first, usage = time.perf_counter(), None, None
-        async with self.http.stream("POST", "/completions", json=body) as answer:
+        async for event in self.events("/completions", body):
+            if event.get("usage"):
+                usage = event["usage"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                first = first or time.perf_counter()
+                progress.update(1)
+        if usage is None:
+            raise RuntimeError(f"{self.base_url} sent no usage: it ignores stream_options")
+        return record(request, sent, first, usage["completion_tokens"])
+
+    async def events(self, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The events of a streamed answer to `body` posted to `path`, as JSON."""
+        async with self.http.stream("POST", path, json=body) as answer:
             if answer.status_code != 200:
                 await answer.aread()
                 raise RuntimeError(f"{self.base_url}: {answer.status_code} {answer.text[:300]}")
             async for line in answer.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event.get("usage"):
-                    usage = event["usage"]
-                if event.get("choices") and event["choices"][0].get("text"):
-                    first = first or time.perf_counter()
-                    progress.update(1)
-        if usage is None:
-            raise RuntimeError(f"{self.base_url} sent no usage: it ignores stream_options")
-        return record(request, sent, first, usage["completion_tokens"])
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[6:])

@@ -1,7 +1,7 @@
 """`ppring bench serve`: the serving sweep, every layout and the baseline side by side in one run.
 
-    ppring bench serve [--quick] [--workload mixed|equal] [--pp-sizes 1,2] [--concurrency 32]
-                       [--hf-dtypes float32,bfloat16] [--hf-compile] [--out DIR]
+    ppring bench serve [--quick] [--workload mixed|equal|multiturn] [--pp-sizes 1,2]
+                       [--concurrency 32] [--hf-dtypes float32,bfloat16] [--hf-compile] [--out DIR]
 
 Two seeded workloads (bench/workload.py): `mixed` (prompts of 16-512 tokens, 16-128 new
 tokens each) and `equal` (prompts of 8-120 tokens, every request 64 new tokens: equal work,
@@ -90,11 +90,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--workload",
-        choices=("mixed", "equal"),
+        choices=("mixed", "equal", "multiturn"),
         default="mixed",
         help="mixed: prompts 16-512, outputs 16-128 tokens; equal: prompts 8-120, every output "
-        "64 tokens (equal work per request)",
+        "64 tokens (equal work per request); multiturn: chats behind a shared system prompt, "
+        "with and without the prefix cache (bench/multiturn.py)",
     )
+    parser.add_argument("--chats", type=int, default=8, help="multiturn: chats at once")
+    parser.add_argument("--turns", type=int, default=6, help="multiturn: turns per chat")
+    parser.add_argument(
+        "--system-words", type=int, default=700, help="multiturn: the shared system prompt"
+    )
+    parser.add_argument("--turn-tokens", type=int, default=24, help="multiturn: tokens a turn")
+    parser.add_argument(
+        "--schedule-policies", default="fcfs", help="multiturn: a ring with the cache per "
+        "admission policy, e.g. fcfs,lpm (ppring local --schedule-policy)",
+    )  # fmt: skip
     parser.add_argument("--prompt-tokens", default=None, help="MIN,MAX, log-uniform (16,512)")
     parser.add_argument("--output-tokens", default=None, help="MIN,MAX, uniform (16,128)")
     parser.add_argument("--seed", type=int, default=0)
@@ -219,7 +230,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--no-sweep and --rates contradict each other; pick one")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.repeats > 1 and (not args.no_sweep or args.base_url):
+    args.schedule_policies = [x.strip() for x in args.schedule_policies.split(",") if x.strip()]
+    if not args.schedule_policies or any(p not in ("fcfs", "lpm") for p in args.schedule_policies):
+        parser.error("--schedule-policies takes fcfs, lpm, or fcfs,lpm")
+    if min(args.chats, args.turns, args.system_words, args.turn_tokens) < 1:
+        parser.error("--chats, --turns, --system-words and --turn-tokens must be >= 1")
+    if args.repeats > 1 and args.workload != "multiturn" and (not args.no_sweep or args.base_url):
         parser.error("--repeats alternates ppring's own rings' closed loops: add --no-sweep, "
                      "and leave out --base-url")  # fmt: skip
     args.concurrency = args.concurrencies[-1]  # the ring's capacity; saturation is measured here
@@ -230,9 +246,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 @contextmanager
-def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir: Path):
+def local_ring(
+    args: argparse.Namespace,
+    model_dir: Path,
+    pp_size: int,
+    log_dir: Path,
+    tag: str | None = None,
+    extra: list[str] | None = None,
+):
     """`ppring local` for one layout; yields the frontend's address and, when a backend wants
-    it, its OpenAI API's URL (else None). Stopped by PID."""
+    it, its OpenAI API's URL (else None). Stopped by PID. `tag`: its log folder (default
+    pp<N>); `extra`: more `ppring local` flags."""
+    tag = tag or f"pp{pp_size}"
     from launch.procs import ROOT, ProcessGroup, find_free_base_port, wait_for_ready_line
 
     port = find_free_base_port(16)
@@ -245,7 +270,7 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
         "--quantization", args.quantization,
-        "--log-dir", str(log_dir / f"pp{pp_size}"),
+        "--log-dir", str(log_dir / tag), *(extra or []),
     ]  # fmt: skip
     if args.device == "cpu":  # a GPU stage takes its own default (launch.flags.stage_threads)
         cmd += ["--threads-per-stage", str(threads)]
@@ -262,8 +287,8 @@ def local_ring(args: argparse.Namespace, model_dir: Path, pp_size: int, log_dir:
     if args.kv_memory_gib is not None:
         cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
     if args.trace_steps is not None:
-        cmd += ["--trace-steps", str(args.trace_steps / f"pp{pp_size}")]
-    (log_dir / f"pp{pp_size}").mkdir(parents=True, exist_ok=True)
+        cmd += ["--trace-steps", str(args.trace_steps / tag)]
+    (log_dir / tag).mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
@@ -363,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = _resolve_model(args.model)
     from stages.config import ModelConfig
 
+    if args.workload == "multiturn":
+        from bench.multiturn import run
+
+        return run(args, argv, model_dir)
     config = ModelConfig.from_folder(model_dir)
     try:
         workload = make_workload(

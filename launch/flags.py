@@ -65,6 +65,24 @@ FLAGS: tuple[Flag, ...] = (
         f"{CPU_PIPELINE_DEFAULTS['chunked_prefill_size']} for CPU "
         f"stages at PP >= 2, else {RingConfig.chunked_prefill_size})",
     ),
+    Flag(
+        "--disable-radix-cache",
+        switch=True,
+        agreed=True,
+        field="disable_radix_cache",
+        help="no prefix cache: every prompt is computed whole, even where an earlier request "
+        "left its first blocks' KV on every stage",
+    ),
+    Flag(
+        "--schedule-policy",
+        str,
+        "fcfs",
+        choices=("fcfs", "lpm"),
+        agreed=True,
+        field="schedule_policy",
+        help="the order waiting requests are admitted in: fcfs (arrival) or lpm (the longest "
+        "prefix the cache holds first, none passed over more than 32 times)",
+    ),
     Flag("--heartbeat-interval", float, 1.0, field="heartbeat_interval_s"),
     Flag("--ring-timeout", float, 30.0, field="ring_timeout_s"),
     Flag(

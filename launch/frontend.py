@@ -74,6 +74,7 @@ class Inflight:
     token_ids: list[int] = field(default_factory=list)  # sent to the client so far
     stopped_by_string: bool = False
     sent_to_ring: bool = False  # False: held while the ring re-forms
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache (told with its first token)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -412,10 +413,14 @@ class Frontend:
         now = time.monotonic()
         if delta.token_id is not None:
             req.token_ids.append(delta.token_id)
+            if req.first_token_at is None:
+                req.cached_tokens = delta.cached_tokens
             if self.metrics is not None:
                 previous = req.last_token_at
                 first = None if previous is not None else now - req.arrived
                 self.metrics.token(None if previous is None else now - previous, first)
+                if previous is None:
+                    self.metrics.prefix_cache(req.num_prompt_tokens, req.cached_tokens)
             req.first_token_at = req.first_token_at or now
             req.last_token_at = now
             text = req.detok.add(delta.token_id)
@@ -457,6 +462,7 @@ class Frontend:
                 ttft_s=first - req.arrived,
                 tpot_s=tpot,
                 e2e_s=now - req.arrived,
+                cached_tokens=req.cached_tokens,
             ),
         )
 

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.usage and done is not None:
         print(
-            f"[{done.finish_reason}] prompt {done.prompt_tokens} tokens, completion "
+            f"[{done.finish_reason}] prompt {done.prompt_tokens} tokens "
+            f"({done.cached_tokens} cached), completion "
             f"{done.completion_tokens} tokens, TTFT {done.ttft_s * 1000:.0f} ms, "
             f"TPOT {done.tpot_s * 1000:.1f} ms",
             file=sys.stderr,

@@ -26,6 +26,7 @@ from typing import Any
 from launch.flags import add_flags, cuda_graph_max_bs, flag_argv, ring_config, stage_threads
 from launch.procs import ProcessGroup
 from protocol.curve import NodeKeys
+from ring.config import RingConfig
 from ring.topology import DEFAULT_HTTP_PORT, DEFAULT_PORT, RingAddresses
 from stages.batch import BLOCK_SIZE
 
@@ -179,6 +180,7 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
         f"slots: {cfg.pp_loop_size} (pp_size {cfg.pp_size} + async depth "
         f"{cfg.pp_async_batch_depth}); requests per micro-batch <= {cfg.micro_batch_cap}, "
         f"running <= {cfg.max_running_requests}; {stage_threads(args)} threads per stage",
+        prefix_cache_line(cfg),
     ]
     if args.device.startswith("cuda"):
         max_bs = cuda_graph_max_bs(args, cfg)
@@ -188,6 +190,15 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
             else "CUDA graphs: off"
         )
     return Startup(lines, context, config, split)
+
+
+def prefix_cache_line(cfg: RingConfig) -> str:
+    if cfg.disable_radix_cache:
+        return "prefix cache: off (--disable-radix-cache): every prompt is computed whole"
+    return (
+        "prefix cache: on, in 16-token blocks on every stage alike: a prompt prefills only "
+        "what earlier requests did not leave in the KV cache (--disable-radix-cache: off)"
+    )
 
 
 def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:

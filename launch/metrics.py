@@ -43,6 +43,13 @@ class FrontendMetrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again)."
+        )
         self.request_success = counter(
             "request_success", "Requests finished, by finish reason.", ("finished_reason",)
         )
@@ -77,6 +84,8 @@ class FrontendMetrics:
         for metric in (
             self.prompt_tokens,
             self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
             self.inflight,
             self.ring_restarts,
             self.replayed_requests,
@@ -104,6 +113,11 @@ class FrontendMetrics:
             self.ttft.labels(**self.model).observe(ttft_s)
         if since_previous_s is not None:
             self.itl.labels(**self.model).observe(since_previous_s)
+
+    def prefix_cache(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A request's first token: its prompt was looked up, this much of it found."""
+        self.prefix_cache_queries.labels(**self.model).inc(num_prompt_tokens)
+        self.prefix_cache_hits.labels(**self.model).inc(num_cached_tokens)
 
     def request_finished(self, reason: str, e2e_s: float) -> None:
         self.inflight.labels(**self.model).dec()

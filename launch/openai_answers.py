@@ -79,14 +79,19 @@ class AnswerShape:
     def all_done(self) -> bool:
         return all(choice.done is not None for choice in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        """Each prompt counted once however many samples it has (OpenAI's and vLLM's)."""
-        prompt = sum(c.prompt_tokens for c in self.choices[:: self.n])
+    def usage(self) -> dict[str, Any]:
+        """Each prompt counted once however many samples it has (OpenAI's and vLLM's); the
+        prompt tokens the prefix cache held as OpenAI reports them (of each prompt's first
+        choice: its others may find more of it cached)."""
+        firsts = self.choices[:: self.n]
+        prompt = sum(c.prompt_tokens for c in firsts)
         completion = sum(c.completion_tokens for c in self.choices)
+        cached = sum(c.done.cached_tokens for c in firsts if c.done is not None)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def whole(self) -> dict[str, Any]:

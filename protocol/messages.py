@@ -143,6 +143,8 @@ class StageHello(Control):
     pp_max_micro_batch_size: int | None
     chunked_prefill_size: int
     split_lm_head: bool = False
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)
@@ -279,6 +281,8 @@ class RequestDelta:
     # the new token's step's most likely tokens and their logprobs, when the request asked
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    # with a request's first token: how many of its prompt tokens the prefix cache held
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.finish_reason and self.finish_reason not in FINISH_REASONS:
@@ -383,6 +387,7 @@ class Done:
     ttft_s: float  # time to first token
     tpot_s: float  # mean time per output token after the first
     e2e_s: float  # end-to-end latency seen by the frontend
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not computed again)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

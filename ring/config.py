@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
 
 @dataclass(frozen=True)
 class RingConfig:
@@ -22,6 +24,11 @@ class RingConfig:
     # last sends its share of the logits to stage 0 (`share`), which samples and sends the
     # output round the ring. Decode's lm_head then weighs on two stages, not on the last alone.
     split_lm_head: bool = False
+    # --disable-radix-cache (SGLang's name): no prefix cache, every prompt computed whole.
+    disable_radix_cache: bool = False
+    # --schedule-policy (SGLang's name): the order admission takes waiting requests in, "fcfs"
+    # (arrival) or "lpm" (longest cached prefix first; ring/scheduler.py _admission_order).
+    schedule_policy: str = "fcfs"
     # Liveness. While idle, stage 0 sends a heartbeat around the ring every interval; a stage
     # that hears nothing for `ring_timeout_s` declares the ring down.
     heartbeat_interval_s: float = 1.0
@@ -32,7 +39,9 @@ class RingConfig:
     # --trace-steps: a folder each stage writes one JSON line per step into (ring/trace.py).
     trace_steps_dir: str | None = None
     # Fault injection for tests: (what, rank, step). "diverge": that rank drops the last
-    # request of its decision at that step; "drop": that rank does not send its proxy.
+    # request of its decision at that step; "drop": that rank does not send its proxy;
+    # "forget": from that step on, the first time it has a request waiting, that rank's prefix
+    # cache forgets its idle blocks (its cache then differs from the other stages').
     debug_fault: tuple[str, int, int] | None = None
 
     def __post_init__(self) -> None:
@@ -50,6 +59,8 @@ class RingConfig:
             raise ValueError("--ring-epoch must be at least 0")
         if self.chunked_prefill_size < 1:
             raise ValueError("--chunked-prefill-size must be at least 1")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}")
         if self.split_lm_head and self.pp_size < 2:
             raise ValueError("a one-stage ring has no lm_head to split")
 

@@ -68,6 +68,8 @@ AGREED_FIELDS = (
     "max_running_requests",
     "pp_max_micro_batch_size",
     "chunked_prefill_size",
+    "disable_radix_cache",
+    "schedule_policy",
 )
 
 

@@ -44,6 +44,7 @@ class RingDriver:
         self.tokens: dict[str, list[int]] = {}
         self.logprobs: dict[str, list[float | None]] = {}
         self.finished: dict[str, RequestDelta] = {}
+        self.cached_tokens: dict[str, int] = {}  # from each request's first token
         self.num_finishes: dict[str, int] = {}
         self.messages: list[list[str]] = []  # per Deltas message, the requests it told of
         self.ctrl: list[Control] = []
@@ -73,6 +74,8 @@ class RingDriver:
             self.messages.append([delta.rid for delta in msg.deltas])
             for delta in msg.deltas:
                 if delta.token_id is not None:
+                    if not self.tokens.get(delta.rid):
+                        self.cached_tokens[delta.rid] = delta.cached_tokens
                     self.tokens.setdefault(delta.rid, []).append(delta.token_id)
                     self.logprobs.setdefault(delta.rid, []).append(delta.logprob)
                 if delta.finish_reason:

@@ -81,6 +81,7 @@ class StageLoop:
         self.deltas: list[RequestDelta] = []  # for the frontend, sent once a round (deltas_due)
         self.launched_at = 0.0
         self.tracer: StepTracer | None = None  # --trace-steps, opened once the ring is ready
+        self.forgot_at: int | None = None  # the step of the "forget" debug fault, once it fired
         # Stage 0 of a ring sends the output it applied at step k (sampled there with the
         # lm_head split, else forwarded from the last stage) with step k + 1's reqs and proxy,
         # not as a message of its own. Stage 1 needs that output only to decide step k + 1,
@@ -102,6 +103,8 @@ class StageLoop:
                 max_running_requests=self.cfg.max_running_requests,
                 pp_max_micro_batch_size=self.cfg.pp_max_micro_batch_size,
                 chunked_prefill_size=self.cfg.chunked_prefill_size,
+                disable_radix_cache=self.cfg.disable_radix_cache,
+                schedule_policy=self.cfg.schedule_policy,
             ),
             allocate=self.stage.allocate_kv,  # on a GPU this also captures the decode graphs
         )
@@ -110,10 +113,11 @@ class StageLoop:
             self.cfg, agreed, self.model.context_length, self.model.eos_token_ids
         )
         logger.info(
-            "%s ring ready: %d KV blocks agreed, %d slots",
+            "%s ring ready: %d KV blocks agreed, %d slots, prefix cache %s",
             self.prefix,
             agreed,
             self.cfg.pp_loop_size,
+            "off" if self.cfg.disable_radix_cache else "on",
         )
         return agreed
 
@@ -229,6 +233,7 @@ class StageLoop:
         if reqs is None:
             return None
         self.deltas += self.scheduler.apply_reqs(reqs)
+        self._maybe_forget(step)
         batch, finished = self.scheduler.decide(step % self.cfg.pp_loop_size, step)
         self.deltas += finished
         return self._maybe_diverge(batch)
@@ -305,6 +310,19 @@ class StageLoop:
             100 * st.proxy_wait_s / wall,
             100 * st.reqs_wait_s / wall,
         )
+
+    def _maybe_forget(self, step: int) -> None:
+        """Fault injection for tests: from the fault's step on, the first time a request waits,
+        this rank's prefix cache forgets its idle blocks, so its next match differs from the
+        other stages' (the digest must catch it at the step it decides from it)."""
+        fault = self.cfg.debug_fault
+        if fault is None or fault[:2] != ("forget", self.cfg.rank) or step < fault[2]:
+            return
+        if self.forgot_at is None and self.scheduler.waiting:
+            forgotten = self.scheduler.pool.forget_idle()
+            if forgotten:
+                self.forgot_at = step
+                logger.warning("%s debug fault: forgot %d cached blocks", self.prefix, forgotten)
 
     def _maybe_diverge(self, batch: Batch) -> Batch:
         """Fault injection for tests: decide differently at one step on one rank."""

@@ -1,5 +1,5 @@
-"""A KV block pool that keeps the contents of full blocks for reuse (issue 50's first step:
-the bookkeeping alone, torch-free; the scheduler does not use it yet).
+"""The KV block pool of the scheduler replica, keeping the contents of full blocks for reuse
+(the prefix cache; torch-free bookkeeping, the storage is the stage's).
 
 A block that a request has filled (16 tokens) is keyed by a hash chain: its key is a 128-bit
 BLAKE2b digest of its parent block's key and its own token ids, so a key names the whole prefix
@@ -39,6 +39,17 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
+def extend_keys(keys: list[bytes], tokens_after: Sequence[int]) -> list[bytes]:
+    """`keys` (those of a sequence's first full blocks, or empty) extended in place by the keys
+    of the full blocks of `tokens_after`, the tokens that follow those blocks (a partial last
+    block has none); returns it. A request keeps its keys: they depend on its tokens alone, so
+    each is computed once."""
+    for start in range(0, len(tokens_after) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = keys[-1] if keys else ROOT
+        keys.append(block_key(parent, tokens_after[start : start + BLOCK_SIZE]))
+    return keys
+
+
 class PrefixCache:
     """`num_blocks` KV blocks, each free, held or cached (see the module docstring)."""
 
@@ -64,23 +75,17 @@ class PrefixCache:
     def num_cached(self) -> int:
         return len(self._key_of)
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The longest run of cached blocks holding `tokens`' first full blocks, and their keys
-        (the last is the parent key of the block after them). At most len(tokens) - 1 tokens
-        are matched, so a prompt always computes its last token (its logits are needed). Takes
-        no reference: `acquire` them before anything else can evict them."""
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `keys` (a prompt's, from `extend_keys`) from
+        the first. Takes no reference: `acquire` them before anything else can evict them. The
+        caller leaves a prompt's last token out of `keys`' blocks (its logits are needed)."""
         blocks: list[int] = []
-        keys: list[bytes] = []
-        parent = ROOT
-        for start in range(0, len(tokens) - 1 - (BLOCK_SIZE - 1), BLOCK_SIZE):
-            key = block_key(parent, tokens[start : start + BLOCK_SIZE])
+        for key in keys:
             block = self._block_of.get(key)
             if block is None:
                 break
             blocks.append(block)
-            keys.append(key)
-            parent = key
-        return blocks, keys
+        return blocks
 
     def fits(self, matched: Sequence[int], num_new: int) -> bool:
         """Whether a request can hold `matched` (from `match`) and `num_new` fresh blocks: an
@@ -117,22 +122,19 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
-    def commit(self, block: int, parent: bytes, tokens: Sequence[int]) -> bytes:
-        """`block`, held and now full of `tokens` after the block keyed `parent`, is cached:
-        returns its key (the next block's parent). Where another block already holds that key
-        (two requests filled the same prefix at once), that one stays the cached copy and
-        `block` stays uncached, freed when released."""
+    def commit(self, block: int, key: bytes) -> None:
+        """`block`, held and now full, is cached under `key` (from `extend_keys`). Where another
+        block already holds that key (two requests filled the same prefix at once), that one
+        stays the cached copy and `block` stays uncached, freed when released."""
         if block not in self._refs:
             raise RuntimeError(f"KV block {block} is committed but not held")
-        key = block_key(parent, tokens)
         if block in self._key_of:
             if self._key_of[block] != key:
                 raise RuntimeError(f"KV block {block} is already cached under another prefix")
-            return key
+            return
         if key not in self._block_of:
             self._block_of[key] = block
             self._key_of[block] = key
-        return key
 
     def release(self, blocks: Sequence[int]) -> None:
         """One holder fewer of each of `blocks`; a block nobody holds is idle if cached (last in
@@ -159,6 +161,16 @@ class PrefixCache:
         self._idle.clear()
         self._key_of.clear()
         self._block_of.clear()
+
+    def forget_idle(self) -> int:
+        """Drop every idle cached block's contents (they become free); returns how many. Only
+        the test hook that makes one stage's cache differ from the others' calls it."""
+        forgotten = len(self._idle)
+        for block in self._idle:
+            del self._block_of[self._key_of.pop(block)]
+        self._free.extend(self._idle)
+        self._idle.clear()
+        return forgotten
 
     # -- invariants (tests, and a stage at idle) -------------------------------------------------
 

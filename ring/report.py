@@ -37,7 +37,7 @@ class StatsReporter:
             self.last_sent, self.idle_reported = now, idle
 
     def snapshot(self, scheduler: Scheduler, now: float) -> StageStats:
-        st, allocator = self.stats, scheduler.allocator
+        st, pool = self.stats, scheduler.pool
         return StageStats(
             rank=self.cfg.rank,
             steps=st.steps,
@@ -51,6 +51,6 @@ class StatsReporter:
             round_trips=st.round_trips,
             num_running=sum(len(slot) for slot in scheduler.slots),
             num_waiting=len(scheduler.waiting),
-            kv_blocks_used=allocator.num_blocks - allocator.num_free,
-            kv_blocks_total=allocator.num_blocks,
+            kv_blocks_used=pool.num_blocks - pool.num_available,  # held by requests
+            kv_blocks_total=pool.num_blocks,
         )

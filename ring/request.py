@@ -36,6 +36,14 @@ class Req:
     num_generated_before: int = 0
     # The ids that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_ids: frozenset[int] = frozenset()
+    # The prefix cache (ring/prefix_cache.py): the keys of its sequence's first full blocks,
+    # computed once (they depend on its tokens alone); how many blocks of its table are full and
+    # offered to the cache; the tokens its last admission found cached.
+    block_keys: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = 0
+    # Later arrivals admitted before it while it waited (--schedule-policy lpm's bound).
+    num_passed_over: int = 0
 
     def penalty_history(self) -> History:
         """Its tokens as the penalties see them: what it generated before a replay counts as

@@ -11,6 +11,14 @@ Nothing time- or rank-dependent enters a decision (SGLang #28424 diverged on exa
 each decision is summarised by a digest that travels with the batch, so a replica that differs
 is caught at the next stage instead of corrupting output.
 
+The prefix cache (ring/prefix_cache.py) is part of the replica: a block a request has filled is
+offered to the pool under its key at the end of the decision that filled it (so no request
+admitted in that same batch reads it before the forward has written it; later steps run after
+it on every stage), and an admitted request first takes the longest run of cached blocks of its
+tokens, prefilling only the rest. Every stage's pool sees the same calls in the same order, so
+matches and block ids agree without being sent; the digest covers each admission's cached
+length and whole block table, so a pool that drifted is caught at the step it decides from it.
+
 KV exhaustion: we *retract* rather than reserve. Reserving prompt + max_new_tokens for every
 request at admission can never deadlock, but it keeps most of the pool idle (requests usually
 stop long before max_new_tokens), which caps concurrency exactly where PP is meant to raise it.
@@ -47,20 +55,25 @@ import hashlib
 from dataclasses import dataclass, field
 
 from protocol.messages import Output, Reqs, RequestDelta
-from ring.block_allocator import BlockAllocator
 from ring.config import RingConfig
+from ring.prefix_cache import PrefixCache, extend_keys
 from ring.request import Req, ReqState
-from stages.batch import SeqChunk, blocks_needed
+from stages.batch import BLOCK_SIZE, SeqChunk, blocks_needed
 
 # Prefill is spread over the slots only in shares of at least this many tokens: a smaller chunk
 # costs more in per-step overhead than it saves in balance.
 MIN_PREFILL_CHUNK = 32
+# --schedule-policy lpm orders at most this many waiting requests (SGLang's bound too), and
+# falls back to arrival order once the oldest has seen this many later ones admitted first.
+LPM_MAX_QUEUE = 128
+LPM_MAX_PASSES = 32
 
 
 @dataclass(frozen=True)
 class BatchEntry:
     req: Req
     chunk: SeqChunk
+    admitted: bool = False  # its request's first chunk since it left the waiting queue
 
 
 @dataclass(frozen=True)
@@ -88,8 +101,10 @@ class Batch:
 def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
     """A short hash of everything that shapes the batch's tensors and its outputs.
 
-    Block tables only grow at the end, from allocators that replay the same calls, so the
-    table's length and last block stand for the whole table: O(1) per request per step."""
+    A block table is set whole at admission (the cached blocks it matched, then fresh ones),
+    and only grows at the end after that, from pools that replay the same calls: an admission
+    is digested with its whole table (and its cached length, its chunk's start), a later chunk
+    with the table's length and last block, O(1) per request per step."""
     parts = [f"{slot}:{step}"]
     for e in entries:
         c = e.chunk
@@ -97,6 +112,8 @@ def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
         parts.append(
             f"{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:{len(c.block_ids)}:{last_block}"
         )
+        if e.admitted:
+            parts.append(",".join(map(str, c.block_ids)))
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
 
 
@@ -110,6 +127,10 @@ class SchedulerStats:
     num_continued_chunks: int = 0  # prefill chunks run in another slot's batch
     num_batches: int = 0
     num_empty_batches: int = 0
+    # The prefix cache, in tokens: those admissions asked for (a request's whole sequence at
+    # each admission, a recompute's too) and those they found cached.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 @dataclass
@@ -121,7 +142,11 @@ class Scheduler:
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
-        self.allocator = BlockAllocator(self.num_kv_blocks)
+        self.pool = PrefixCache(self.num_kv_blocks)
+        self.prefix_caching = not self.cfg.disable_radix_cache
+        # (block, key) of the blocks this decision filled: cached at its end (see the module
+        # docstring).
+        self._filled: list[tuple[int, bytes]] = []
         self.requests: dict[str, Req] = {}
         self.waiting: list[Req] = []  # sorted by arrival
         self.slots: list[list[Req]] = [[] for _ in range(self.cfg.pp_loop_size)]
@@ -171,6 +196,9 @@ class Scheduler:
         entries, prefill_budget = self._schedule_running(slot, self._prefill_budget())
         continued, prefill_budget = self._continue_other_slots(slot, prefill_budget)
         entries += continued + self._admit(slot, prefill_budget)
+        for block, key in self._filled:
+            self.pool.commit(block, key)
+        self._filled.clear()
         batch = Batch(slot, step, entries, batch_digest(slot, step, entries))
         for req in batch.sampled:
             req.sample_step = step
@@ -223,11 +251,15 @@ class Scheduler:
             reason = self._finish_reason(req, token_id)
             if reason:
                 self._finish(req, reason)
+            # The first token tells how much of the prompt was cached (the OpenAI usage's
+            # cached_tokens, the metrics' hits).
+            cached = req.num_cached_tokens if len(req.output_ids) == 1 else 0
             deltas.append(
                 RequestDelta(
-                    req.rid, token_id, logprob, reason or "", "", top or None, top_lp or None
+                    req.rid, token_id, logprob, reason or "", "", top or None, top_lp or None,
+                    cached,
                 )
-            )
+            )  # fmt: skip
         return deltas
 
     # -- queries ------------------------------------------------------------------------------
@@ -278,8 +310,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> RequestDelta:
         if req.slot is not None:
             self.slots[req.slot].remove(req)
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.slot = None
         req.sample_step = None  # an output still in flight for it is not applied
         req.state = ReqState.FINISHED
@@ -327,7 +358,7 @@ class Scheduler:
             num_tokens = min(req.num_pending, budget)
             extra = blocks_needed(req.num_computed + num_tokens) - len(req.block_ids)
             # As admission does: keep a growth block per running request.
-            if extra + self.num_running > self.allocator.num_free:
+            if extra + self.num_running > self.pool.num_available:
                 break
             entries.append(self._commit(req, num_tokens))
             budget -= num_tokens
@@ -353,39 +384,74 @@ class Scheduler:
             need = sum(
                 blocks_needed(req.num_computed + n) - len(req.block_ids) for req, n in plan if n
             )
-            if need <= self.allocator.num_free or not reqs:
+            if need <= self.pool.num_available or not reqs:
                 break
             self._retract(reqs[-1])  # the newest in this slot
         entries = [self._commit(req, n) for req, n in plan if n]
         return entries, budget
 
     def _admit(self, slot: int, prefill_budget: int) -> list[BatchEntry]:
-        """Admit waiting requests (FIFO, no skipping) while caps and KV allow, each into `slot`
-        or, once it is full, into the next slot in step order with room (as that slot's own
-        step would have: a cap the user set still packs whole micro-batches); their first
-        chunks run in this batch either way."""
+        """Admit waiting requests in `_admission_order` (no skipping: the first that does not
+        fit ends admission) while caps and KV allow, each into `slot` or, once it is full, into
+        the next slot in step order with room (as that slot's own step would have: a cap the
+        user set still packs whole micro-batches); their first chunks run in this batch either
+        way."""
         entries = []
         cap = self._slot_cap()
         order = [(slot + i) % len(self.slots) for i in range(len(self.slots))]
-        while self.waiting and prefill_budget > 0:
+        candidates = self._admission_order()
+        while candidates and prefill_budget > 0:
             home = next((s for s in order if len(self.slots[s]) < cap), None)
             if home is None:
                 break
             if self.num_running >= self.cfg.max_running_requests:
                 break
-            req = self.waiting[0]
-            num_tokens = min(req.num_pending, prefill_budget)
+            req = candidates[0]
+            matched = self._match(req)
+            num_cached = len(matched) * BLOCK_SIZE
+            num_tokens = min(req.seq_len - num_cached, prefill_budget)
+            num_new = blocks_needed(num_cached + num_tokens) - len(matched)
             # Keep one growth block per running request so admission does not immediately force
             # a retraction elsewhere.
-            if blocks_needed(num_tokens) + self.num_running > self.allocator.num_free:
+            if not self.pool.fits(matched, num_new + self.num_running):
                 break
-            self.waiting.pop(0)
+            candidates.pop(0)
+            self.waiting.remove(req)
+            for older in self.waiting:  # (sorted by arrival)
+                if older.arrival > req.arrival:
+                    break
+                older.num_passed_over += 1
+            self.pool.acquire(matched)
+            req.block_ids = matched
+            req.num_computed = req.num_cached_tokens = num_cached
+            req.num_committed_blocks = len(matched)
+            self.stats.prefix_query_tokens += req.seq_len
+            self.stats.prefix_hit_tokens += num_cached
             req.state = ReqState.RUNNING
             req.slot = home
             self.slots[home].append(req)
-            entries.append(self._commit(req, num_tokens))
+            entries.append(self._commit(req, num_tokens, admitted=True))
             prefill_budget -= num_tokens
         return entries
+
+    def _admission_order(self) -> list[Req]:
+        """The waiting requests in the order admission tries them. fcfs: by arrival. lpm
+        (SGLang's longest prefix match): the longest cached prefix first, arrival breaking ties,
+        so requests that reuse what the cache holds run while it still holds it; by arrival
+        again while a queue is longer than LPM_MAX_QUEUE (matching each costs a walk of its
+        blocks every step) or once a request has been passed over LPM_MAX_PASSES times (none
+        starves)."""
+        waiting = self.waiting
+        if (
+            self.cfg.schedule_policy == "fcfs"
+            or not self.prefix_caching
+            or len(waiting) < 2
+            or len(waiting) > LPM_MAX_QUEUE
+            or waiting[0].num_passed_over >= LPM_MAX_PASSES
+        ):
+            return list(waiting)
+        matched = {req.rid: len(self._match(req)) for req in waiting}
+        return sorted(waiting, key=lambda r: (-matched[r.rid], r.arrival))
 
     def _slot_cap(self) -> int:
         """Requests a slot may hold for now. A --pp-max-micro-batch-size the user set is filled
@@ -400,21 +466,47 @@ class Scheduler:
         present = self.num_running + len(self.waiting)
         return min(self.cfg.micro_batch_cap, max(-(-present // self.cfg.pp_loop_size), 1))
 
-    def _commit(self, req: Req, num_tokens: int) -> BatchEntry:
-        """Allocate the blocks `num_tokens` more tokens need and advance the request."""
+    def _match(self, req: Req) -> list[int]:
+        """The cached blocks of the longest run of `req`'s full blocks, its last token left out
+        (its logits are needed); none with the cache off."""
+        if not self.prefix_caching:
+            return []
+        num_blocks = (req.seq_len - 1) // BLOCK_SIZE
+        keys = req.block_keys
+        if len(keys) < num_blocks:
+            extend_keys(keys, req.token_slice(len(keys) * BLOCK_SIZE, num_blocks * BLOCK_SIZE))
+        return self.pool.match(keys[:num_blocks])
+
+    def _commit(self, req: Req, num_tokens: int, admitted: bool = False) -> BatchEntry:
+        """Allocate the blocks `num_tokens` more tokens need and advance the request; the
+        blocks it fills are cached at the end of this decision."""
         start = req.num_computed
         extra = blocks_needed(start + num_tokens) - len(req.block_ids)
         if extra > 0:
-            req.block_ids += self.allocator.allocate(extra)
+            req.block_ids += self.pool.allocate(extra)
         token_ids = req.token_slice(start, start + num_tokens)
         req.num_computed = start + num_tokens
+        num_full = req.num_computed // BLOCK_SIZE
+        if self.prefix_caching and num_full > req.num_committed_blocks:
+            keys = req.block_keys
+            if len(keys) < num_full:
+                extend_keys(keys, req.token_slice(len(keys) * BLOCK_SIZE, num_full * BLOCK_SIZE))
+            for i in range(req.num_committed_blocks, num_full):
+                self._filled.append((req.block_ids[i], keys[i]))
+            req.num_committed_blocks = num_full
         sample = req.num_computed == req.seq_len
-        return BatchEntry(req, SeqChunk(token_ids, start, list(req.block_ids), sample))
+        chunk = SeqChunk(token_ids, start, list(req.block_ids), sample)
+        return BatchEntry(req, chunk, admitted)
+
+    def _release(self, req: Req) -> None:
+        """Its blocks go back to the pool: the full ones stay cached until evicted."""
+        self.pool.release(req.block_ids)
+        req.block_ids = []
+        req.num_committed_blocks = 0
 
     def _retract(self, req: Req) -> None:
         self.slots[req.slot].remove(req)
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.slot = None
         req.num_computed = 0
         req.sample_step = None

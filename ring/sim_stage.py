@@ -12,6 +12,13 @@ the last stage sends its tokens as its share's best tokens and the first stage "
 from it. `sample_delay_s` models the last stage's straggler: the sampled tokens are ready that
 long after the forward ends, while the stage itself can already run the next batch (an
 asynchronous device-to-host copy); the loop waits for them only when it must send them.
+
+With `kv_model` the stages also keep a KV cache of token ids: each writes the tokens it is fed
+into the blocks the chunk's table names, and a sampled token depends on what every stage reads
+back there for the whole sequence (`kv_fingerprint`, folded stage by stage through the seam's
+column 1), so a block table naming a block whose contents are not that sequence's (a prefix
+cache that matched the wrong block, a block reused while still read) changes the tokens.
+`expected_tokens_kv` gives what such a ring must send.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.sampling import SamplingParams
-from stages.batch import History, SampleResult, SeqChunk
+from stages.batch import BLOCK_SIZE, History, SampleResult, SeqChunk
 from stages.contract import FinishedStep, LogitsShare, Seam, Stage, StageOutput, StepHandle
 
 SIM_VOCAB = 50_000
@@ -60,6 +67,43 @@ def expected_tokens(
     return tokens
 
 
+FINGERPRINT_MOD = 1 << 20  # a seam column carries it exactly (fp32 holds integers to 2^24)
+
+
+def kv_fingerprint(tokens: Sequence[int]) -> int:
+    """What a stage with a KV model reads back for a sequence's tokens, as one number."""
+    return hash(tuple(tokens)) % FINGERPRINT_MOD  # ints hash alike in every process
+
+
+def fold_fingerprint(carried: int, fingerprint: int) -> int:
+    """Stage r's reading folded into what the stages before it read."""
+    return (carried * 1_000_003 + fingerprint) % FINGERPRINT_MOD
+
+
+def expected_tokens_kv(
+    prompt_ids: Sequence[int],
+    seed: int,
+    max_new_tokens: int,
+    pp_size: int,
+    stop_token_ids: Collection[int] = (),
+) -> list[int]:
+    """Every token a ring of `pp_size` stages with a KV model sends a request whose KV every
+    stage holds right: each drawn from the whole sequence before it."""
+    sequence = list(prompt_ids)
+    tokens: list[int] = []
+    for _ in range(max_new_tokens):
+        folded = 0
+        fingerprint = kv_fingerprint(sequence)
+        for _rank in range(pp_size):
+            folded = fold_fingerprint(folded, fingerprint)
+        token = expected_token(seed, len(sequence), folded)
+        tokens.append(token)
+        sequence.append(token)
+        if token in stop_token_ids:
+            break
+    return tokens
+
+
 @dataclass
 class DeferredSample:
     """Sampled tokens that become ready at `ready_at` (time.monotonic)."""
@@ -90,6 +134,7 @@ class SimStage(Stage):
         hidden_size: int = 64,
         overlap: bool = True,
         split_lm_head: bool = False,
+        kv_model: bool = False,
     ) -> None:
         self.is_first_stage = is_first_stage
         self.is_last_stage = is_last_stage
@@ -103,6 +148,8 @@ class SimStage(Stage):
         # takes its path without overlap.
         self.overlap = overlap
         self.allocated_blocks: int | None = None
+        self.kv_model = kv_model
+        self.kv_tokens: list[int] = []  # [blocks * BLOCK_SIZE] token ids (kv_model); -1: none
         self.busy_s = 0.0  # time spent in forwards: the idle fraction is 1 - busy / wall
         self._overshoot_s = 0.0
 
@@ -133,6 +180,8 @@ class SimStage(Stage):
                 f"asked for {num_blocks} KV blocks, this stage holds {self._num_kv_blocks}"
             )
         self.allocated_blocks = num_blocks
+        if self.kv_model:
+            self.kv_tokens = [-1] * (num_blocks * BLOCK_SIZE)
 
     def run(
         self,
@@ -181,10 +230,14 @@ class SimStage(Stage):
             fed = [t for chunk in chunks for t in chunk.token_ids]
         else:
             fed = hidden_states[:, 0].to(torch.int64).tolist()
+        # Column 1: each row's KV reading folded over the stages so far (kv_model).
+        carried = [0] * num_tokens if self.is_first_stage else hidden_states[:, 1].to(torch.int64)
+        folded = self._read_kv(chunks, fed, carried) if self.kv_model else [0] * num_tokens
         if not self.is_last_stage:
             # Fresh tensors every step: a buffer handed to ZeroMQ is never written again.
             seam = torch.zeros(num_tokens, self.hidden_size)  # [T, d] fp32: ids are exact
             seam[:, 0] = torch.tensor(fed, dtype=seam.dtype)
+            seam[:, 1] = torch.tensor(folded, dtype=seam.dtype)
             return Seam(hidden_states=seam, residual=seam.clone())
         tokens = []
         row = 0
@@ -193,7 +246,8 @@ class SimStage(Stage):
             if chunk.sample:
                 params = sampling[i] if sampling is not None else None
                 seed = params.seed if params is not None and params.seed is not None else 0
-                tokens.append(expected_token(seed, chunk.seq_len, fed[row - 1]))
+                drawn_from = folded[row - 1] if self.kv_model else fed[row - 1]
+                tokens.append(expected_token(seed, chunk.seq_len, drawn_from))
         if self.split_lm_head:
             return LogitsShare(
                 hidden=torch.zeros(len(tokens), self.hidden_size),
@@ -202,6 +256,24 @@ class SimStage(Stage):
                 best_token=torch.tensor(tokens, dtype=torch.int64),
             )
         return SampleResult(token_ids=tokens)
+
+    def _read_kv(self, chunks: list[SeqChunk], fed: list[int], carried) -> list[int]:
+        """Write each chunk's fed tokens into its blocks, then, for each chunk's last row, fold
+        this stage's reading of the whole sequence into `carried` (other rows: 0)."""
+        kv, folded, row = self.kv_tokens, [0] * len(fed), 0
+        for chunk in chunks:
+            table = chunk.block_ids
+            if len(table) * BLOCK_SIZE < chunk.seq_len:
+                raise ValueError(f"a block table of {len(table)} for {chunk.seq_len} tokens")
+            for pos in range(chunk.start_pos, chunk.seq_len):
+                kv[table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE] = fed[row]
+                row += 1
+            read = [
+                kv[table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE]
+                for pos in range(chunk.seq_len)
+            ]
+            folded[row - 1] = fold_fingerprint(int(carried[row - 1]), kv_fingerprint(read))
+        return folded
 
     def sample_share(
         self,

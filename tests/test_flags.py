@@ -15,6 +15,8 @@ AGREED = {
     "--max-running-requests",
     "--pp-max-micro-batch-size",
     "--chunked-prefill-size",
+    "--disable-radix-cache",
+    "--schedule-policy",
     "--stage-impl",
     "--dtype",
     "--quantization",

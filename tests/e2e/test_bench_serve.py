@@ -191,3 +191,31 @@ def test_the_default_workload_refills_every_closed_loop_and_an_asked_size_is_kep
     assert smaller.requests == workload.requests[:64]  # C=32's requests: as before
     asked = serve_bench.parse_args(["--no-sweep", "--concurrency", "64", "--num-requests", "16"])
     assert asked.num_requests == 16 and asked.closed_requests == 16
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["ppring", "openai"])
+def test_the_multiturn_workload_runs_with_and_without_the_cache_and_reports_its_hits(
+    default_model, tmp_path, backend
+):
+    model = tiny_model_speaking(default_model, tmp_path)
+    out = tmp_path / "out"
+    code = serve_bench.main(
+        [
+            "--model", str(model), "--workload", "multiturn", "--pp-sizes", "2",
+            "--chats", "3", "--turns", "3", "--system-words", "80", "--turn-tokens", "5",
+            "--schedule-policies", "fcfs,lpm", "--backend", backend, "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "bench_serve_multiturn.json").read_text())
+    runs = {r["ring"]: r for r in result["runs"]}
+    assert set(runs) == {"PP=2 cache", "PP=2 cache lpm", "PP=2 no cache"}
+    for run in runs.values():
+        assert run["output_tokens"] == 3 * 3 * 5 and len(run["ttft_median_ms_by_turn"]) == 3
+    assert runs["PP=2 no cache"]["cached_tokens"] == 0
+    # every later turn finds its chat's history, the first turns the shared system prompt
+    assert runs["PP=2 cache"]["cache_hit_rate"] > 0.5
+    comparisons = {c["ring"]: c for c in result["comparisons"]}
+    assert set(comparisons) == {"PP=2 cache", "PP=2 cache lpm"}
+    assert comparisons["PP=2 cache"]["rounds"][0]["answers"] == 9

@@ -21,6 +21,7 @@ class SimSpec:
     t_token_s: float = 0.0
     sample_delay_s: float = 0.0
     overlap: bool = True
+    kv_model: bool = False  # stages keep token ids as KV; tokens depend on what they read
 
 
 def sim_ring(
@@ -38,6 +39,7 @@ def sim_ring(
             sample_delay_s=spec.sample_delay_s if stage_cfg.is_last_stage else 0.0,
             overlap=spec.overlap,
             split_lm_head=stage_cfg.split_lm_head,
+            kv_model=spec.kv_model,
         )
 
     return ThreadRing(cfg, make, ModelInfo(context_length=context_length), f"t{next(_run_ids)}")
@@ -58,4 +60,11 @@ def expected_tokens(prompt: list[int], sampling: SamplingParams) -> list[int]:
     """What a simulated ring sends the request: each token chained from the one fed before it."""
     return sim_stage.expected_tokens(
         prompt, sampling.seed, sampling.max_new_tokens, sampling.stop_token_ids
+    )
+
+
+def expected_tokens_kv(prompt: list[int], sampling: SamplingParams, pp_size: int) -> list[int]:
+    """What a simulated ring with a KV model sends the request (SimSpec.kv_model)."""
+    return sim_stage.expected_tokens_kv(
+        prompt, sampling.seed, sampling.max_new_tokens, pp_size, sampling.stop_token_ids
     )

@@ -43,6 +43,8 @@ def test_a_stage_that_loaded_another_model_stops_the_whole_ring_at_start_up():
         ("chunked_prefill_size", 512, 128),  # a CPU node's default at PP >= 2 beside a GPU's
         ("max_running_requests", 64, 32),
         ("pp_max_micro_batch_size", None, 8),
+        ("disable_radix_cache", False, True),  # one stage with no prefix cache
+        ("schedule_policy", "fcfs", "lpm"),
     ],
 )
 def test_a_stage_whose_scheduling_flags_differ_stops_the_whole_ring_at_start_up(flag, mine, theirs):

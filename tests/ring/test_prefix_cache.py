@@ -10,21 +10,27 @@ import random
 
 import pytest
 
-from ring.prefix_cache import ROOT, PrefixCache, block_key
+from ring.prefix_cache import ROOT, PrefixCache, block_key, extend_keys
 from stages.batch import BLOCK_SIZE
 
 
 def fill(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], list[int]]:
     """A request's prompt through the pool as a scheduler would: its cached prefix held, the
     rest allocated, every full block committed. Returns (its blocks, the matched ones)."""
-    matched, keys = cache.match(tokens)
+    matched = match(cache, tokens)
     cache.acquire(matched)
     needed = -(-len(tokens) // BLOCK_SIZE) - len(matched)
     blocks = matched + cache.allocate(needed)
-    parent = keys[-1] if keys else ROOT
-    for i in range(len(matched), len(tokens) // BLOCK_SIZE):
-        parent = cache.commit(blocks[i], parent, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+    keys = extend_keys([], tokens)
+    for i in range(len(matched), len(keys)):
+        cache.commit(blocks[i], keys[i])
     return blocks, matched
+
+
+def match(cache: PrefixCache, tokens: list[int]) -> list[int]:
+    """The cached blocks of `tokens`' prefix, its last token left to compute (as the scheduler
+    asks)."""
+    return cache.match(extend_keys([], tokens[:-1]))
 
 
 def test_a_released_prefix_is_matched_and_reused() -> None:
@@ -47,9 +53,9 @@ def test_the_last_token_of_a_prompt_is_never_matched() -> None:
     prompt = list(range(2 * BLOCK_SIZE))
     blocks, _ = fill(cache, prompt)
     cache.release(blocks)
-    matched, _ = cache.match(prompt)  # both blocks cached, but the last token must be computed
+    matched = match(cache, prompt)  # both blocks cached, but the last token must be computed
     assert matched == blocks[:1]
-    matched, _ = cache.match(prompt + [7])
+    matched = match(cache, prompt + [7])
     assert matched == blocks
 
 
@@ -62,8 +68,8 @@ def test_idle_blocks_are_evicted_least_recently_released_first() -> None:
     cache.release(second)
     fresh = cache.allocate(3)  # the free ones go first, then the oldest idle block (first's)
     assert first[0] in fresh and second[0] not in fresh
-    assert cache.match(list(range(18)))[0] == []  # evicted: its key is gone
-    assert cache.match(list(range(100, 118)))[0] == [second[0]]
+    assert match(cache, list(range(18))) == []  # evicted: its key is gone
+    assert match(cache, list(range(100, 118))) == [second[0]]
     cache.release(fresh)
     cache.check()
 
@@ -73,7 +79,7 @@ def test_a_matched_idle_block_counts_against_what_is_available() -> None:
     prompt = list(range(BLOCK_SIZE + 1))
     blocks, _ = fill(cache, prompt)
     cache.release(blocks)  # one cached idle block, one free
-    matched, _ = cache.match(prompt)
+    matched = match(cache, prompt)
     assert matched == blocks[:1] and cache.num_available == 2
     # holding the match takes the idle block out of the evictable ones: one fresh block left
     assert cache.fits(matched, 1) and not cache.fits(matched, 2)
@@ -99,7 +105,7 @@ def test_misuse_is_one_error_each() -> None:
     with pytest.raises(RuntimeError, match="available"):
         cache.allocate(3)
     with pytest.raises(RuntimeError, match="not held"):
-        cache.commit(1, ROOT, list(range(BLOCK_SIZE)))
+        cache.commit(1, block_key(ROOT, list(range(BLOCK_SIZE))))
     with pytest.raises(ValueError, match="16 tokens"):
         block_key(ROOT, [1, 2, 3])
     held = cache.allocate(1)
@@ -117,6 +123,24 @@ def test_keys_chain_their_whole_prefix() -> None:
     # the same tokens after another parent are another block
     assert block_key(a, list(range(BLOCK_SIZE))) != block_key(b, list(range(BLOCK_SIZE)))
     assert block_key(a, list(range(BLOCK_SIZE))) == block_key(a, list(range(BLOCK_SIZE)))
+    tokens = list(range(3 * BLOCK_SIZE + 5))
+    keys = extend_keys([], tokens[: BLOCK_SIZE + 5])
+    assert keys == [a]
+    assert extend_keys(keys, tokens[BLOCK_SIZE:]) is keys and len(keys) == 3  # whole blocks
+    assert keys[2] == block_key(keys[1], tokens[2 * BLOCK_SIZE : 3 * BLOCK_SIZE])
+
+
+def test_forgetting_idle_blocks_frees_them_and_keeps_held_ones() -> None:
+    cache = PrefixCache(6)
+    a, _ = fill(cache, list(range(2 * BLOCK_SIZE + 1)))
+    b, _ = fill(cache, list(range(100, 100 + BLOCK_SIZE + 1)))
+    cache.release(a)
+    assert cache.forget_idle() == 2
+    assert match(cache, list(range(2 * BLOCK_SIZE + 1))) == []
+    assert match(cache, list(range(100, 100 + BLOCK_SIZE + 1))) == b[:1]  # held: kept
+    cache.release(b)
+    cache.check()
+    assert cache.is_whole()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -143,7 +167,7 @@ def test_random_requests_sharing_prefixes_keep_every_invariant(seed: int) -> Non
                 rng.randrange(1000) for _ in range(rng.randrange(1, 40))
             ]
             needed = -(-len(tokens) // BLOCK_SIZE)
-            matched, _ = pools[0].match(tokens)
+            matched = match(pools[0], tokens)
             if not pools[0].fits(matched, needed - len(matched)):
                 continue  # would not fit: a scheduler would wait (or retract)
             results = [fill(pool, tokens) for pool in pools]

@@ -16,6 +16,8 @@ from ring.config import RingConfig
 from ring.harness import ThreadRing
 from ring.loop import ModelInfo
 from stages.backend.cuda.graphs import EagerRecorder
+from stages.config import ModelConfig
+from stages.kv_cache import bytes_per_block
 from stages.partition import layer_range
 from stages.runner import StageRunner
 from tests.tiny_llama import make_tiny_llama
@@ -26,6 +28,14 @@ def tiny(tmp_path_factory):
     folder = make_tiny_llama(tmp_path_factory.mktemp("ring") / "tiny", seed=11, max_positions=512)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, model
+
+
+def device_path(queued: bool) -> dict:
+    """A GPU stage's path on the CPU (`queued`): `launch` returns queued steps and decodes run
+    through the graphs' static buffers, padded to the captured sizes."""
+    if not queued:
+        return {}
+    return {"overlap": True, "cuda_graph_max_bs": 4, "graph_recorder": EagerRecorder()}
 
 
 @pytest.mark.timeout(120)
@@ -56,20 +66,10 @@ def test_greedy_tokens_of_concurrent_long_prompts_equal_transformers(
 
     def make(c: RingConfig) -> StageRunner:
         start, end = layer_range(partition, c.rank)
-        device_path = (
-            {"overlap": True, "cuda_graph_max_bs": 4, "graph_recorder": EagerRecorder()}
-            if queued
-            else {}
-        )
         return StageRunner(
-            folder,
-            start,
-            end,
-            kv_budget_bytes=4 << 20,
-            rank=c.rank,
-            split_lm_head=split,
-            **device_path,
-        )
+            folder, start, end, kv_budget_bytes=4 << 20, rank=c.rank, split_lm_head=split,
+            **device_path(queued),
+        )  # fmt: skip
 
     with ThreadRing(cfg, make, ModelInfo(context_length=512), f"real{pp_size}") as ring:
         ring.driver.submit_many(requests)
@@ -121,7 +121,7 @@ def test_aborts_in_a_ring_of_real_stages_free_their_kv_and_leave_the_others_exac
         driver.wait_finished([r[0] for r in requests], timeout_s=90)
         assert ring.stop() == {0: 0, 1: 0}
         for loop in ring.loops:  # each stage's replica of the pool, which places its real KV
-            assert loop.scheduler.allocator.is_whole(), loop.prefix
+            assert loop.scheduler.pool.is_whole(), loop.prefix
     reasons = {rid: driver.finished[rid].finish_reason for rid, _, _ in requests}
     assert [r for r in at_once | after_tokens if reasons[r] == "abort"], reasons
     for rid, prompt, _ in requests:
@@ -174,3 +174,67 @@ def test_a_split_lm_head_samples_exactly_as_the_unsplit_ring(tiny):
     for rid, values in logprobs.items():
         assert values == pytest.approx(results[False][1][rid], abs=1e-5), rid
     assert all(v is not None for v in logprobs["r1"])  # the logprobs path really ran
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("pp_size", "depth", "queued", "cache"),
+    [(1, 0, False, True), (2, 0, False, True), (3, 1, False, True), (2, 1, True, True),
+     (2, 0, False, False)],
+)  # fmt: skip
+def test_chats_behind_a_shared_prompt_reuse_its_kv_and_equal_transformers(
+    tiny, pp_size, depth, queued, cache
+):
+    """Real stages reading a prefix another request wrote: a shared system prompt, then each
+    chat's next turn (its prompt, transformers' answer and a new question), on a pool small
+    enough to evict. Every answer equals transformers' with the cache and without it."""
+    folder, model = tiny
+    rng = random.Random(40 + pp_size)
+    system = [rng.randrange(3, 256) for _ in range(70)]  # four full blocks and 6 tokens
+
+    def answer(prompt: list[int]) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
+            )
+        return out[0, len(prompt) :].tolist()
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    first = [system + [rng.randrange(3, 256) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    second = [p + answer(p) + [rng.randrange(3, 256) for _ in range(9)] for p in first]
+    second += [system[:40] + [7] * 30]  # a prefix cut inside the system prompt's third block
+    cfg = RingConfig(
+        pp_size=pp_size, pp_async_batch_depth=depth, max_running_requests=4,
+        chunked_prefill_size=32, disable_radix_cache=not cache,
+    )  # fmt: skip
+    partition = [4 // pp_size + (i < 4 % pp_size) for i in range(pp_size)]
+
+    def make(c: RingConfig) -> StageRunner:
+        start, end = layer_range(partition, c.rank)
+        # 40 blocks: fewer than the two waves' prompts hold, so cached blocks get evicted
+        budget = 40 * bytes_per_block(ModelConfig.from_folder(folder), end - start, "float32")
+        return StageRunner(
+            folder, start, end, kv_budget_bytes=budget, rank=c.rank, **device_path(queued)
+        )
+
+    with ThreadRing(cfg, make, ModelInfo(context_length=512), f"real-prefix{pp_size}") as ring:
+        driver = ring.driver
+        for wave, prompts in (("a", first), ("b", second)):
+            requests = [(f"{wave}{i}", p, greedy) for i, p in enumerate(prompts)]
+            driver.submit_many(requests)
+            driver.wait_finished([r[0] for r in requests], timeout_s=90)
+        stats = ring.loops[0].scheduler.stats
+        assert ring.stop() == {r: 0 for r in range(pp_size)}
+        for loop in ring.loops:
+            assert loop.scheduler.pool.is_whole(), loop.prefix
+    for wave, prompts in (("a", first), ("b", second)):
+        for i, prompt in enumerate(prompts):
+            assert driver.tokens[f"{wave}{i}"] == answer(prompt), (wave, i)
+    cached = {rid: n for rid, n in driver.cached_tokens.items()}
+    if not cache:
+        assert stats.prefix_hit_tokens == 0 and not any(cached.values())
+        return
+    # the second wave found the first's prompts, and its answers' full blocks, cached
+    for i, prompt in enumerate(first):
+        assert cached[f"b{i}"] >= len(prompt) // 16 * 16, (i, cached)
+    assert cached["b4"] == 32  # two whole blocks of the system prompt, not the cut third

@@ -36,7 +36,7 @@ def assert_all_exact(ring, requests) -> None:
     ring_codes = ring.stop()
     assert ring_codes == {r: 0 for r in range(ring.cfg.pp_size)}
     for loop in ring.loops:  # the pool is whole again on every stage
-        assert loop.scheduler.allocator.is_whole(), loop.prefix
+        assert loop.scheduler.pool.is_whole(), loop.prefix
         assert loop.scheduler.is_idle()
 
 
@@ -219,7 +219,7 @@ def test_aborts_at_random_points_leave_the_others_unaffected():
 def assert_all_exact_pool(ring) -> None:
     assert ring.stop() == {r: 0 for r in range(ring.cfg.pp_size)}
     for loop in ring.loops:
-        assert loop.scheduler.allocator.is_whole(), loop.prefix
+        assert loop.scheduler.pool.is_whole(), loop.prefix
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The scheduler replica and the block allocator, without a ring: plain Python, microseconds."""
+"""The scheduler replica and its KV block pool, without a ring: plain Python, microseconds."""
 
 from __future__ import annotations
 
@@ -9,38 +9,38 @@ import pytest
 from protocol.errors import ProtocolError
 from protocol.messages import NewRequest, Output, Reqs
 from protocol.sampling import SamplingParams
-from ring.block_allocator import BlockAllocator
 from ring.config import RingConfig
+from ring.prefix_cache import PrefixCache
 from ring.roles import sampling_args
 from ring.scheduler import DivergenceError, Scheduler
 
 
-def test_random_allocate_free_never_hands_out_a_block_twice():
+def test_random_allocate_release_never_hands_out_a_block_twice():
     rng = random.Random(0)
-    pool = BlockAllocator(200)
+    pool = PrefixCache(200)
     held: list[list[int]] = []
     for _ in range(5000):
-        if held and (rng.random() < 0.5 or not pool.can_allocate(8)):
+        if held and (rng.random() < 0.5 or pool.num_available < 8):
             blocks = held.pop(rng.randrange(len(held)))
-            pool.free(blocks)
+            pool.release(blocks)
         else:
             n = rng.randint(1, 8)
-            if pool.can_allocate(n):
+            if n <= pool.num_available:
                 held.append(pool.allocate(n))
         flat = [b for blocks in held for b in blocks]
         assert len(flat) == len(set(flat))
-        assert pool.num_free + len(flat) == 200
+        assert pool.num_available + len(flat) == 200
     for blocks in held:
-        pool.free(blocks)
+        pool.release(blocks)
     assert pool.is_whole()
 
 
-def test_double_free_is_an_error():
-    pool = BlockAllocator(4)
+def test_a_double_release_is_an_error():
+    pool = PrefixCache(4)
     blocks = pool.allocate(2)
-    pool.free(blocks)
-    with pytest.raises(RuntimeError, match="freed twice"):
-        pool.free(blocks)
+    pool.release(blocks)
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(blocks)
 
 
 def new(rid: str, num_prompt: int, max_new: int = 4) -> NewRequest:

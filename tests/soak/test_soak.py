@@ -1,5 +1,7 @@
 """The soak: many requests against a real PP=2 ring on the default model, with random prompts,
 lengths and sampling, a fifth of the streams abandoned at random points; then the ring idles.
+Half the prompts start with one of a few shared "system prompts", so the prefix cache (on, as
+by default) is matched, held, evicted and released all the way through.
 
 Nothing may be lost: every request not abandoned ends with `done` and exactly its tokens
 (every request ignores EOS; a sample of greedy and seeded ones is run again alone afterwards
@@ -39,8 +41,14 @@ WORDS = (
 ).split()
 
 
+_SYSTEM_RNG = random.Random(7)
+SYSTEMS = [" ".join(_SYSTEM_RNG.choice(WORDS) for _ in range(n)) for n in (30, 60, 90, 150)]
+
+
 def make_request(rng: random.Random, n: int) -> dict:
     prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
+    if rng.random() < 0.5:
+        prompt = rng.choice(SYSTEMS) + "\n" + prompt
     sampling: dict = {"max_new_tokens": rng.randint(1, 40), "ignore_eos": True}
     kind = rng.random()
     if kind < 0.4:
@@ -71,13 +79,25 @@ def stage_rss_kib(pids: list[int]) -> list[int]:
 
 
 def stage_kv(server) -> dict[str, float]:
-    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
     return {
         sample.labels["stage"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples(server)
         if sample.name == "ppring:stage_kv_blocks_used"
     }
+
+
+def samples(server) -> list:
+    text = httpx.get(f"{server.http_url}/metrics", timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def prefix_cache_tokens(server) -> dict[str, float]:
+    """The frontend's prefix cache counters: prompt tokens looked up, and found."""
+    wanted = {
+        "ppring:prefix_cache_queries_total": "queries",
+        "ppring:prefix_cache_hits_total": "hits",
+    }
+    return {wanted[s.name]: s.value for s in samples(server) if s.name in wanted}
 
 
 async def one(client: AsyncClient, req: dict, results: dict) -> None:
@@ -135,6 +155,7 @@ def test_soak_loses_nothing(default_model, tmp_path):
         while any(v != 0 for v in stage_kv(server).values()) and time.monotonic() < deadline:
             time.sleep(0.2)  # the stages report once more on going idle
         kv = stage_kv(server)
+        cache = prefix_cache_tokens(server)
         assert server.stop() == 0
     finally:
         if server.proc.poll() is None:
@@ -154,6 +175,7 @@ def test_soak_loses_nothing(default_model, tmp_path):
         "wrong_length": len(wrong),
         "rerun_alone_differ": len(differ),
         "kv_blocks_used_at_idle": kv,
+        "prefix_cache_tokens": cache,
         "rss_kib_at_20pct": out["rss"]["mark"],
         "rss_kib_at_end": out["rss"]["end"],
         "wall_s": round(wall, 1),
@@ -163,5 +185,6 @@ def test_soak_loses_nothing(default_model, tmp_path):
         Path(os.environ["PPRING_SOAK_REPORT"]).write_text(json.dumps(figures, indent=1))
     assert lost == [] and wrong == [] and differ == [], figures
     assert sorted(kv) == ["0", "1"] and all(v == 0 for v in kv.values()), figures
+    assert cache["hits"] > 0.1 * cache["queries"], figures  # the shared prompts were found
     if NUM_REQUESTS >= 2000:  # a short run is too short to see a trend
         assert all(g < 0.05 for g in growth), figures
