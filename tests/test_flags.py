@@ -159,3 +159,12 @@ def test_a_gpu_stage_takes_one_host_thread_unless_told_and_a_cpu_stage_its_share
     assert stage_threads(local.parse_args(["--device", "cuda", "--threads-per-stage", "4"])) == 4
     cpu = local.parse_args(["--pp-size", "2"])
     assert stage_threads(cpu) == cpu.threads_per_stage >= 1
+
+
+def test_the_start_up_summary_says_whether_the_prefix_cache_is_on():
+    on = local.prefix_cache_line(ring_config(local.parse_args([]), 0))
+    off = local.prefix_cache_line(ring_config(local.parse_args(["--disable-radix-cache"]), 0))
+    assert on.startswith("prefix cache: on") and off.startswith("prefix cache: off")
+    assert "--disable-radix-cache" in local.stage_argv(
+        local.parse_args(["--disable-radix-cache"]), 0, Path("model")
+    )

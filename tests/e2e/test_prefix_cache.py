@@ -76,6 +76,7 @@ def test_chats_behind_a_shared_prompt_are_transformers_tokens_cached_or_not(
 ):
     flags = ["--pp-size", str(pp_size), "--dtype", "float32", "--served-model-name", "smol"]
     server = start_local(*flags, *([] if cache else ["--disable-radix-cache"]))
+    assert (b"prefix cache: on" if cache else b"prefix cache: off") in server.stdout
     turns = asyncio.run(chats(server.addr))
     for chat in turns:
         for k, (messages, done) in enumerate(chat):
