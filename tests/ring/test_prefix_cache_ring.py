@@ -111,6 +111,11 @@ def test_longest_prefix_first_admission_gives_every_uncached_answer_too(pp_size,
     check_shared_prefixes(pp_size, depth, NUM_REQUESTS[pp_size], policy="lpm")
 
 
+@pytest.mark.timeout(200)
+def test_a_split_lm_head_ring_gives_every_uncached_answer_too():
+    check_shared_prefixes(3, 1, NUM_REQUESTS[3], split_lm_head=True)
+
+
 @pytest.mark.long
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("pp_size", "depth"), SHAPES)
@@ -118,7 +123,9 @@ def test_shared_prefixes_with_three_thousand_requests(pp_size, depth):
     check_shared_prefixes(pp_size, depth, 3000)
 
 
-def check_shared_prefixes(pp_size: int, depth: int, num_requests: int, policy="fcfs") -> None:
+def check_shared_prefixes(
+    pp_size: int, depth: int, num_requests: int, policy: str = "fcfs", split_lm_head=False
+) -> None:
     rng = random.Random(100 * pp_size + depth)
     cfg = RingConfig(
         pp_size=pp_size,
@@ -126,6 +133,7 @@ def check_shared_prefixes(pp_size: int, depth: int, num_requests: int, policy="f
         max_running_requests=24,
         chunked_prefill_size=64,
         schedule_policy=policy,
+        split_lm_head=split_lm_head,
     )
     requests = shared_prefix_requests(rng, num_requests, pp_size)
     # ~24 running requests of up to ~60 blocks would need far more: evictions and retractions
