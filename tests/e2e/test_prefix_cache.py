@@ -69,7 +69,11 @@ def metric(http_url: str, name: str) -> float:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("pp_size", "cache"), [(1, True), (2, True), (3, True), (2, False)], ids=str
+    ("pp_size", "cache"),
+    # PP=3 is long (a third process loading the model); its short form is
+    # tests/ring/test_real_ring.py's PP=3 ring of real stages, cached, against transformers.
+    [(1, True), (2, True), pytest.param(3, True, marks=pytest.mark.long), (2, False)],
+    ids=str,
 )
 def test_chats_behind_a_shared_prompt_are_transformers_tokens_cached_or_not(
     start_local, hf_answer, pp_size, cache
