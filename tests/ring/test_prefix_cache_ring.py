@@ -55,7 +55,8 @@ def run_workload(cfg: RingConfig, requests: list[Request], num_kv_blocks: int, s
         driver = ring.driver
         i = 0
         while i < len(requests):
-            group = requests[i : i + rng.randint(1, 40)]
+            # a deep queue at once (the pool runs short: evictions, retractions), then groups
+            group = requests[i : i + (100 if i == 0 else rng.randint(1, 40))]
             driver.submit_many(group)
             i += len(group)
             for rid, _, _ in group:
@@ -136,11 +137,11 @@ def check_shared_prefixes(
         split_lm_head=split_lm_head,
     )
     requests = shared_prefix_requests(rng, num_requests, pp_size)
-    # ~24 running requests of up to ~60 blocks would need far more: evictions and retractions
-    driver, to_abort, stats = run_workload(cfg, requests, num_kv_blocks=64, seed=pp_size)
+    # 24 running requests of up to 30 blocks would need far more: evictions and retractions
+    driver, to_abort, stats = run_workload(cfg, requests, num_kv_blocks=48, seed=pp_size)
     assert_every_answer_is_its_uncached_one(driver, requests, to_abort, pp_size)
     cached = [driver.cached_tokens[rid] for rid in driver.cached_tokens]
-    assert sum(cached) > 0.3 * stats.prefix_query_tokens  # the cache was used, a lot
+    assert sum(cached) > 0.15 * stats.prefix_query_tokens  # the cache was used (~30% here)
     assert sum(cached) <= stats.prefix_hit_tokens  # what the requests were told was true
     assert all(c % BLOCK_SIZE == 0 for c in cached)
     assert stats.num_retractions > 0
