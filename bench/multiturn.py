@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import platform
 import random
@@ -53,8 +54,16 @@ class Conversation:
     questions: list[list[str]]  # [chat][turn]
 
 
-def text_words() -> list[str]:
-    return TEXT.read_text(encoding="utf-8").split()
+@functools.cache
+def text_words() -> tuple[str, ...]:
+    return tuple(TEXT.read_text(encoding="utf-8").split())
+
+
+@functools.cache
+def text_sentences() -> tuple[str, ...]:
+    """The text's sentences of 4-40 words: the questions are drawn from them."""
+    split = re.split(r"(?<=[.!?])\s+", " ".join(text_words()))
+    return tuple(s.strip() for s in split if 4 <= len(s.split()) <= 40)
 
 
 def conversation(
@@ -69,8 +78,7 @@ def conversation(
     system = "You answer questions about this text.\n\n" + " ".join(
         words[start : start + system_words]
     )
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(words)) if s.strip()]
-    sentences = [s for s in sentences if 4 <= len(s.split()) <= 40]
+    sentences = text_sentences()
     rng = random.Random(seed * 1000 + round_index)
     questions = [
         [f"What does this mean: {rng.choice(sentences)}" for _ in range(num_turns)]

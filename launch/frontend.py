@@ -413,13 +413,14 @@ class Frontend:
         now = time.monotonic()
         if delta.token_id is not None:
             req.token_ids.append(delta.token_id)
-            if req.first_token_at is None:
+            is_first = req.first_token_at is None
+            if is_first:
                 req.cached_tokens = delta.cached_tokens
             if self.metrics is not None:
                 previous = req.last_token_at
                 first = None if previous is not None else now - req.arrived
                 self.metrics.token(None if previous is None else now - previous, first)
-                if previous is None:
+                if is_first:
                     self.metrics.prefix_cache(req.num_prompt_tokens, req.cached_tokens)
             req.first_token_at = req.first_token_at or now
             req.last_token_at = now

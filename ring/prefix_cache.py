@@ -157,14 +157,11 @@ class PrefixCache:
         Held blocks must have been released first."""
         if self._refs:
             raise RuntimeError(f"{len(self._refs)} KV blocks are still held")
-        self._free.extend(self._idle)
-        self._idle.clear()
-        self._key_of.clear()
-        self._block_of.clear()
+        self.forget_idle()
 
     def forget_idle(self) -> int:
-        """Drop every idle cached block's contents (they become free); returns how many. Only
-        the test hook that makes one stage's cache differ from the others' calls it."""
+        """Drop every idle cached block's contents (they become free); returns how many (`clear`,
+        and the test hook that makes one stage's cache differ from the others')."""
         forgotten = len(self._idle)
         for block in self._idle:
             del self._block_of[self._key_of.pop(block)]

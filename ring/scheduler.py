@@ -399,7 +399,7 @@ class Scheduler:
         entries = []
         cap = self._slot_cap()
         order = [(slot + i) % len(self.slots) for i in range(len(self.slots))]
-        candidates = self._admission_order()
+        candidates = self._admission_order()  # the waiting list itself in arrival order
         while candidates and prefill_budget > 0:
             home = next((s for s in order if len(self.slots[s]) < cap), None)
             if home is None:
@@ -415,7 +415,8 @@ class Scheduler:
             # a retraction elsewhere.
             if not self.pool.fits(matched, num_new + self.num_running):
                 break
-            candidates.pop(0)
+            if candidates is not self.waiting:
+                candidates.pop(0)
             self.waiting.remove(req)
             for older in self.waiting:  # (sorted by arrival)
                 if older.arrival > req.arrival:
@@ -435,7 +436,8 @@ class Scheduler:
         return entries
 
     def _admission_order(self) -> list[Req]:
-        """The waiting requests in the order admission tries them. fcfs: by arrival. lpm
+        """The waiting requests in the order admission tries them. fcfs: by arrival (the
+        waiting list itself: no copy of a long queue every step). lpm
         (SGLang's longest prefix match): the longest cached prefix first, arrival breaking ties,
         so requests that reuse what the cache holds run while it still holds it; by arrival
         again while a queue is longer than LPM_MAX_QUEUE (matching each costs a walk of its
@@ -449,7 +451,7 @@ class Scheduler:
             or len(waiting) > LPM_MAX_QUEUE
             or waiting[0].num_passed_over >= LPM_MAX_PASSES
         ):
-            return list(waiting)
+            return waiting
         matched = {req.rid: len(self._match(req)) for req in waiting}
         return sorted(waiting, key=lambda r: (-matched[r.rid], r.arrival))
 
@@ -472,10 +474,15 @@ class Scheduler:
         if not self.prefix_caching:
             return []
         num_blocks = (req.seq_len - 1) // BLOCK_SIZE
+        return self.pool.match(self._keys(req, num_blocks)[:num_blocks])
+
+    @staticmethod
+    def _keys(req: Req, num_blocks: int) -> list[bytes]:
+        """`req`'s block keys, computed as far as its first `num_blocks` full blocks."""
         keys = req.block_keys
         if len(keys) < num_blocks:
             extend_keys(keys, req.token_slice(len(keys) * BLOCK_SIZE, num_blocks * BLOCK_SIZE))
-        return self.pool.match(keys[:num_blocks])
+        return keys
 
     def _commit(self, req: Req, num_tokens: int, admitted: bool = False) -> BatchEntry:
         """Allocate the blocks `num_tokens` more tokens need and advance the request; the
@@ -488,9 +495,7 @@ class Scheduler:
         req.num_computed = start + num_tokens
         num_full = req.num_computed // BLOCK_SIZE
         if self.prefix_caching and num_full > req.num_committed_blocks:
-            keys = req.block_keys
-            if len(keys) < num_full:
-                extend_keys(keys, req.token_slice(len(keys) * BLOCK_SIZE, num_full * BLOCK_SIZE))
+            keys = self._keys(req, num_full)
             for i in range(req.num_committed_blocks, num_full):
                 self._filled.append((req.block_ids[i], keys[i]))
             req.num_committed_blocks = num_full

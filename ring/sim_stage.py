@@ -258,8 +258,9 @@ class SimStage(Stage):
         return SampleResult(token_ids=tokens)
 
     def _read_kv(self, chunks: list[SeqChunk], fed: list[int], carried) -> list[int]:
-        """Write each chunk's fed tokens into its blocks, then, for each chunk's last row, fold
-        this stage's reading of the whole sequence into `carried` (other rows: 0)."""
+        """Write each chunk's fed tokens into its blocks, then, for the last row of each chunk
+        that samples, fold this stage's reading of the whole sequence into `carried` (other
+        rows: 0)."""
         kv, folded, row = self.kv_tokens, [0] * len(fed), 0
         for chunk in chunks:
             table = chunk.block_ids
@@ -268,6 +269,8 @@ class SimStage(Stage):
             for pos in range(chunk.start_pos, chunk.seq_len):
                 kv[table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE] = fed[row]
                 row += 1
+            if not chunk.sample:
+                continue  # nothing is drawn from this chunk's reading
             read = [
                 kv[table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE]
                 for pos in range(chunk.seq_len)
