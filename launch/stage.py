@@ -64,6 +64,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         context_length=model.max_position_embeddings,
         eos_token_ids=tuple(model.eos_token_ids),
         config_hash=model.config_hash,
+        rope_long_from=model.rope_long_from,
     )
     return stage, info
 

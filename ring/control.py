@@ -53,6 +53,9 @@ class ModelInfo:
     context_length: int
     eos_token_ids: tuple[int, ...] = ()
     config_hash: str = ""
+    # LongRoPE: a sequence longer than this turns at the long factors (ring/scheduler.py);
+    # None for every other model
+    rope_long_from: int | None = None
 
 
 # At most this long for the stages before this one to allocate their KV cache at start-up (or

@@ -110,7 +110,11 @@ class StageLoop:
         )
         self.control.last_heard = time.monotonic()  # the capture is not the ring's silence
         self.scheduler = Scheduler(
-            self.cfg, agreed, self.model.context_length, self.model.eos_token_ids
+            self.cfg,
+            agreed,
+            self.model.context_length,
+            self.model.eos_token_ids,
+            rope_long_from=self.model.rope_long_from,
         )
         logger.info(
             "%s ring ready: %d KV blocks agreed, %d slots, prefix cache %s",

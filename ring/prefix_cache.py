@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from stages.batch import BLOCK_SIZE
 
 ROOT = b""  # the parent key of a prompt's first block
+# ... of a LongRoPE sequence computed at the long factors: the same tokens, other K and V
+ROOT_ROPE_LONG = b"rope-long"
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -39,13 +41,13 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def extend_keys(keys: list[bytes], tokens_after: Sequence[int]) -> list[bytes]:
+def extend_keys(keys: list[bytes], tokens_after: Sequence[int], root: bytes = ROOT) -> list[bytes]:
     """`keys` (those of a sequence's first full blocks, or empty) extended in place by the keys
     of the full blocks of `tokens_after`, the tokens that follow those blocks (a partial last
-    block has none); returns it. A request keeps its keys: they depend on its tokens alone, so
-    each is computed once."""
+    block has none); returns it. A request keeps its keys: they depend on its tokens alone (and
+    `root`, the first block's parent), so each is computed once."""
     for start in range(0, len(tokens_after) - BLOCK_SIZE + 1, BLOCK_SIZE):
-        parent = keys[-1] if keys else ROOT
+        parent = keys[-1] if keys else root
         keys.append(block_key(parent, tokens_after[start : start + BLOCK_SIZE]))
     return keys
 

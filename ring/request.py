@@ -40,10 +40,13 @@ class Req:
     # computed once (they depend on its tokens alone); how many blocks of its table are full and
     # offered to the cache; the tokens its last admission found cached.
     block_keys: list[bytes] = field(default_factory=list)
+    keys_rope_long: bool = False  # the mode block_keys were computed for (below)
     num_committed_blocks: int = 0
     num_cached_tokens: int = 0
     # Later arrivals admitted before it while it waited (--schedule-policy lpm's bound).
     num_passed_over: int = 0
+    # LongRoPE: its K and V are computed at the long factors (ring/scheduler.py `_rope_long`)
+    rope_long: bool = False
 
     def penalty_history(self) -> History:
         """Its tokens as the penalties see them: what it generated before a replay counts as

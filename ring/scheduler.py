@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from protocol.messages import Output, Reqs, RequestDelta
 from ring.config import RingConfig
-from ring.prefix_cache import PrefixCache, extend_keys
+from ring.prefix_cache import ROOT, ROOT_ROPE_LONG, PrefixCache, extend_keys
 from ring.request import Req, ReqState
 from stages.batch import BLOCK_SIZE, SeqChunk, blocks_needed
 
@@ -110,7 +110,8 @@ def batch_digest(slot: int, step: int, entries: list[BatchEntry]) -> str:
         c = e.chunk
         last_block = c.block_ids[-1] if c.block_ids else -1
         parts.append(
-            f"{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:{len(c.block_ids)}:{last_block}"
+            f"{e.req.rid}:{c.start_pos}:{c.num_tokens}:{int(c.sample)}:{len(c.block_ids)}:"
+            f"{last_block}:{int(c.rope_long)}"
         )
         if e.admitted:
             parts.append(",".join(map(str, c.block_ids)))
@@ -124,6 +125,7 @@ class SchedulerStats:
     max_batch_requests: int = 0
     max_running_requests: int = 0  # the most requests admitted at once
     num_retractions: int = 0
+    num_rope_recomputes: int = 0  # LongRoPE sequences computed again at the long factors
     num_continued_chunks: int = 0  # prefill chunks run in another slot's batch
     num_batches: int = 0
     num_empty_batches: int = 0
@@ -140,6 +142,9 @@ class Scheduler:
     context_length: int
     eos_token_ids: tuple[int, ...] = ()
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    # LongRoPE (ModelInfo.rope_long_from): a sequence longer than this is computed at the long
+    # factors, all of it; None for every other model
+    rope_long_from: int | None = None
 
     def __post_init__(self) -> None:
         self.pool = PrefixCache(self.num_kv_blocks)
@@ -170,6 +175,7 @@ class Scheduler:
                 stop_ids=frozenset(new.sampling.stop_token_ids).union(eos),
             )
             self.num_arrivals += 1
+            req.rope_long = self._rope_long(req)
             error = self._reject_reason(req)
             if error:
                 finished.append(RequestDelta(new.rid, None, None, "error", error))
@@ -372,6 +378,9 @@ class Scheduler:
         share `prefill_budget` tokens. Returns the entries and the prefill budget left.
         """
         reqs = self.slots[slot]
+        for req in reqs:
+            if not req.rope_long and self._rope_long(req) and self._is_decode(req):
+                self._recompute_long(req)
         while True:
             plan, budget = [], prefill_budget
             for req in reqs:
@@ -478,11 +487,36 @@ class Scheduler:
 
     @staticmethod
     def _keys(req: Req, num_blocks: int) -> list[bytes]:
-        """`req`'s block keys, computed as far as its first `num_blocks` full blocks."""
+        """`req`'s block keys, computed as far as its first `num_blocks` full blocks (for the
+        rotary mode it is computed in: a LongRoPE sequence's blocks at the long factors are
+        other K and V than the same tokens' at the short ones)."""
+        if req.keys_rope_long != req.rope_long:
+            req.block_keys, req.keys_rope_long = [], req.rope_long
         keys = req.block_keys
         if len(keys) < num_blocks:
-            extend_keys(keys, req.token_slice(len(keys) * BLOCK_SIZE, num_blocks * BLOCK_SIZE))
+            root = ROOT_ROPE_LONG if req.rope_long else ROOT
+            tokens = req.token_slice(len(keys) * BLOCK_SIZE, num_blocks * BLOCK_SIZE)
+            extend_keys(keys, tokens, root)
         return keys
+
+    def _rope_long(self, req: Req) -> bool:
+        """Whether `req`'s whole sequence is computed at LongRoPE's long factors: where it is
+        longer than the model's original context, as transformers' Phi-3 does (a forward whose
+        positions reach past it turns every position long, and generation recomputes the cache
+        the first time a sequence gets there: Phi3ForCausalLM.prepare_inputs_for_generation).
+        The same decision on every stage, from the sequence's length alone."""
+        return self.rope_long_from is not None and req.seq_len > self.rope_long_from
+
+    def _recompute_long(self, req: Req) -> None:
+        """A decoding LongRoPE request whose next token reaches past the original context: its
+        K and V so far were computed at the short factors, so its whole sequence is computed
+        again at the long ones (a prefill of it from position 0, in this slot, from this step's
+        prefill budget), as transformers recomputes its cache there. Its short blocks stay
+        cached for other sequences."""
+        self._release(req)
+        req.num_computed = 0
+        req.rope_long = True
+        self.stats.num_rope_recomputes += 1
 
     def _commit(self, req: Req, num_tokens: int, admitted: bool = False) -> BatchEntry:
         """Allocate the blocks `num_tokens` more tokens need and advance the request; the
@@ -500,7 +534,7 @@ class Scheduler:
                 self._filled.append((req.block_ids[i], keys[i]))
             req.num_committed_blocks = num_full
         sample = req.num_computed == req.seq_len
-        chunk = SeqChunk(token_ids, start, list(req.block_ids), sample)
+        chunk = SeqChunk(token_ids, start, list(req.block_ids), sample, req.rope_long)
         return BatchEntry(req, chunk, admitted)
 
     def _release(self, req: Req) -> None:
@@ -517,6 +551,7 @@ class Scheduler:
         req.sample_step = None
         req.state = ReqState.WAITING
         req.num_retractions += 1
+        req.rope_long = self._rope_long(req)  # readmitted, it computes its whole sequence
         self.stats.num_retractions += 1
         arrivals = [r.arrival for r in self.waiting]
         self.waiting.insert(bisect.bisect(arrivals, req.arrival), req)

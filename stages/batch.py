@@ -26,6 +26,9 @@ class SeqChunk:
     start_pos: int  # tokens of this sequence already in this stage's KV cache
     block_ids: list[int]  # block table covering start_pos + len(token_ids) tokens
     sample: bool  # last stage: produce a token from this chunk's last position
+    # LongRoPE (a Phi-3 whose rotary switches factors): this sequence's K and V are computed at
+    # the long factors (ring/scheduler.py says when); False for every other model
+    rope_long: bool = False
 
     @property
     def num_tokens(self) -> int:

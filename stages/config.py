@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from stages.errors import ConfigError
 from stages.layer_spec import LayerSpec
 from stages.models import family_for
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 # The dtypes a stage may compute in (protocol/dtypes.py holds their sizes).
 STAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -25,13 +26,19 @@ STAGE_DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequency scaling. `linear` divides every frequency by `factor`; `llama3` divides
-    only the low frequencies, blending across [low_freq_factor, high_freq_factor]."""
+    only the low frequencies, blending across [low_freq_factor, high_freq_factor]. `longrope`
+    (Phi-3): frequency i divided by short_factor[i] for a sequence whose forward reaches no
+    further than original_max_position_embeddings, by long_factor[i] beyond, and cos and sin
+    scaled by attention_factor."""
 
     rope_type: str
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,13 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name ("bfloat16"), not the dtype a stage runs in
     architecture: str = "LlamaForCausalLM"
     layer_spec: LayerSpec = LayerSpec()  # what its family's layers add to Llama's
+    partial_rotary_factor: float = 1.0  # the share of each head's dims the rotary turns
+    # Granite's scalars (1.0 / None elsewhere): the embedding's rows are multiplied by the
+    # first, the logits divided by the second; attention scores are scaled by the third
+    # instead of 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -80,7 +94,7 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         max_positions = _get_int(raw, "max_position_embeddings", source)
         layer_spec = family.read_spec(raw, source)
-        rope_theta, rope_scaling = _read_rope(raw, source)
+        rope_theta, rope_scaling, partial_rotary = _read_rope(raw, source, int(head_dim))
         eos = None
         if generation is not None:
             eos = generation.get("eos_token_id")
@@ -105,6 +119,8 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             architecture=architecture,
             layer_spec=layer_spec,
+            partial_rotary_factor=partial_rotary,
+            **family.read_scalars(raw, source),
         )
 
     @property
@@ -113,6 +129,28 @@ class ModelConfig:
         same model shape (checked at rendezvous)."""
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
+
+    @property
+    def rotary_dim(self) -> int:
+        """Each head's first rotary_dim dims are rotated, the rest pass through (Phi-4-mini:
+        0.75 of 128)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rope_long_from(self) -> int | None:
+        """LongRoPE: a sequence longer than this turns at the long factors (ring/scheduler.py
+        `_rope_long`); None where the rotary has one set of frequencies."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type != "longrope":
+            return None
+        return scaling.original_max_position_embeddings
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim**-0.5
 
     @property
     def q_size(self) -> int:
@@ -140,7 +178,10 @@ def read_config_json(config_path: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+def _read_rope(
+    raw: dict[str, Any], source: str, head_dim: int
+) -> tuple[float, RopeScaling | None, float]:
+    """(theta, scaling, partial_rotary_factor) of a config."""
     # transformers >= 5 writes `rope_parameters` (theta inside); older folders write
     # `rope_theta` beside an optional `rope_scaling` dict. Accept both.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -151,26 +192,70 @@ def _read_rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | N
             f"{source} uses rope_type={rope_type}, which ppring does not implement; "
             f"serve a model with rope_type one of {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError(f"{source} uses partial_rotary_factor, which ppring does not implement")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise ConfigError(
+            f"{source} sets partial_rotary_factor={partial}, which turns {rotary_dim} of "
+            f"{head_dim} dims of a head; ppring needs an even count of them, and of the rest"
+        )
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     try:
         if rope_type == "linear":
-            return theta, RopeScaling("linear", factor=float(params["factor"]))
-        return theta, RopeScaling(
-            "llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", raw["max_position_embeddings"])
+            return theta, RopeScaling("linear", factor=float(params["factor"])), partial
+        if rope_type == "longrope":
+            return theta, _longrope(raw, params, source, rotary_dim), partial
+        return (
+            theta,
+            RopeScaling(
+                "llama3",
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings", raw["max_position_embeddings"])
+                ),
             ),
+            partial,
         )
     except KeyError as exc:
         raise ConfigError(
             f"{source} sets rope_type={rope_type} without {exc.args[0]}; add it to the config"
         ) from None
+
+
+def _longrope(
+    raw: dict[str, Any], params: dict[str, Any], source: str, rotary_dim: int
+) -> RopeScaling:
+    """Phi-3's LongRoPE, as transformers computes it (modeling_rope_utils): the attention
+    factor, where the config gives none, from max / original positions."""
+    original = int(
+        params.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
+    )
+    short = tuple(float(f) for f in params["short_factor"])
+    long = tuple(float(f) for f in params["long_factor"])
+    if len(short) != rotary_dim // 2 or len(long) != rotary_dim // 2:
+        raise ConfigError(
+            f"{source}'s longrope factors hold {len(short)} and {len(long)} values; the rotary "
+            f"turns {rotary_dim} dims, so each needs {rotary_dim // 2}"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        factor = raw["max_position_embeddings"] / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    return RopeScaling(
+        "longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        short_factor=short,
+        long_factor=long,
+        attention_factor=float(attention_factor),
+    )
 
 
 def _get_int(raw: dict[str, Any], key: str, source: str) -> int:

@@ -71,6 +71,10 @@ class ForwardInputs:
     decode_groups: list[DecodeGroup]  # gather: decodes grouped by context length
     paged: PagedAttn | None = None  # paged: every chunk, prefill or decode
     max_position: int | None = None  # the largest of positions (None: not known on the host)
+    # [T] bool: the rows whose chunk is computed at LongRoPE's long factors (SeqChunk.rope_long),
+    # where any is; None: a row turns long from the model's switch position on, which is what
+    # every decode-only batch's rows do (stages/models/blocks.py Rotary)
+    rope_long: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +124,10 @@ def build_inputs(
 
     num_tokens = cu_seqlens[-1]
     decode_groups = _decode_groups(decode_rows, decode_chunks, num_tokens, device)
+    rope_long = None
+    if any(chunk.rope_long for chunk in chunks):
+        flags = [chunk.rope_long for chunk in chunks for _ in range(chunk.num_tokens)]
+        rope_long = on_device(torch.tensor(flags, dtype=torch.bool), device)
     # Two host tensors, not one per field: the longs ([T] ids, positions, slots, then the
     # [S] sampled rows) and the int32s (cu_seqlens, then the paged metadata), each cut into
     # views. A single stream's decode step made nine tensors here, and between the kernels'
@@ -144,6 +152,7 @@ def build_inputs(
         decode_groups=decode_groups,
         paged=_paged_attn(chunks, cu_seqlens_t, ints_t) if attention == "paged" else None,
         max_position=max(chunk.seq_len for chunk in chunks) - 1,
+        rope_long=rope_long,
     )
 
 

@@ -30,7 +30,12 @@ class Ops(Protocol):
         inv_freq: torch.Tensor,
         dtype: torch.dtype,
         max_position: int | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def add(
+        self, h: torch.Tensor, residual: torch.Tensor | None, h_is_scratch: bool = False
+    ) -> torch.Tensor: ...
 
     def add_rms_norm(
         self,
@@ -64,7 +69,7 @@ class Ops(Protocol):
     ) -> torch.Tensor: ...
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
     ) -> torch.Tensor: ...
 
     def long_chunks(self, inputs: ForwardInputs) -> bool:
@@ -85,16 +90,20 @@ class LayerWeights(Protocol):
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    input_norm: torch.Tensor  # [d]
-    post_attn_norm: torch.Tensor  # [d]
+    attention_scale: float  # what q.k is multiplied by
+    input_norm: torch.Tensor | None  # [d]; None: attention reads the stream un-normed
+    post_attn_norm: torch.Tensor | None  # [d], before the MLP; None: the MLP reads it so
     qkv_proj: nn.Module  # [(h + 2 h_kv) d_head, d]
     o_proj: nn.Module  # [d, h d_head]
     gate_up_proj: nn.Module  # [2 I, d]
     down_proj: nn.Module  # [d, I]
     qkv_bias: torch.Tensor | None  # [(h + 2 h_kv) d_head]
     o_bias: torch.Tensor | None  # [d]
-    q_norm: torch.Tensor | None  # [d_head]
-    k_norm: torch.Tensor | None  # [d_head]
+    q_norm: torch.Tensor | None  # [d_head], or [h d_head] where qk_norm_whole
+    k_norm: torch.Tensor | None  # [d_head], or [h_kv d_head] where qk_norm_whole
+    qk_norm_whole: bool
+    attn_out_norm: torch.Tensor | None  # [d]: attention's output normed (OLMo 2)
+    mlp_out_norm: torch.Tensor | None  # [d]: the MLP's
 
 
 class CompiledLayers(Protocol):
@@ -139,13 +148,26 @@ class LayerBackend(Protocol):
     ) -> GreedyFinish | None: ...
 
 
+class RotaryTables(Protocol):
+    """A stage's rotary frequencies as the CPU kernels' kept tables take them
+    (stages/backend/cpu/ops.py RopeTable): positions from `long_from` on turn at
+    `long_inv_freq` (a decode step's of a LongRoPE sequence that far along), and cos and sin
+    are multiplied by `scale` where given."""
+
+    inv_freq: torch.Tensor  # [d_head / 2] fp32
+    scale: torch.Tensor | None  # [d_head / 2] fp32
+    long_inv_freq: torch.Tensor | None  # [d_head / 2] fp32
+    long_from: int
+
+
 class StageModel(Protocol):
     """What the CPU backend's kept decode step reads of a built stage."""
 
     is_first_stage: bool
     is_last_stage: bool
     ops: Ops
-    inv_freq: torch.Tensor
+    inv_freq: torch.Tensor  # [d_head / 2] fp32
+    rotary: RotaryTables  # what the kept decode step reads its rotary rows from
     embed_tokens: torch.Tensor | None
     fused: CompiledLayers | None
     greedy_head: GreedyFinish | None

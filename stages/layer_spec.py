@@ -13,6 +13,17 @@ Every family here is a pre-norm decoder with RMSNorm, rotate-half RoPE and a Swi
 - `o_bias`: the o projection adds a bias (Qwen3 with attention_bias=true).
 - `qk_norm`: an RMSNorm of every q head and every k head (weights [head_dim], the layer's eps)
   between the projection and the rotary (Qwen3).
+- `qk_norm_whole`: with qk_norm, one RMSNorm over the whole q projection and one over the whole
+  k projection instead (weights [h d_head] and [h_kv d_head]; OLMo 2).
+- `norms`: where a layer's two RMSNorms sit. "pre" (Llama): before attention
+  (`input_layernorm`) and before the MLP (`post_attention_layernorm`), the residual stream
+  itself never normed. "post" (OLMo 2): on attention's output (`post_attention_layernorm`) and
+  on the MLP's (`post_feedforward_layernorm`) before each is added to the residual stream,
+  which attention and the MLP read un-normed.
+- `fused_projections`: the checkpoint holds q, k, v as one `qkv_proj` and gate, up as one
+  `gate_up_proj` (Phi-3), in the order the layer concatenates them anyway.
+- `residual_multiplier`: attention's and the MLP's outputs are scaled by it before they join the
+  residual stream (Granite); 1.0 elsewhere.
 """
 
 from __future__ import annotations
@@ -25,21 +36,24 @@ class LayerSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
+    norms: str = "pre"  # "pre" or "post" (above)
+    fused_projections: bool = False
+    residual_multiplier: float = 1.0
 
     def layer_tensors(self) -> tuple[str, ...]:
         """Checkpoint names inside one decoder layer (relative to `model.layers.{i}.`), in
         Hugging Face's names, which every family here shares."""
-        names = [
-            "input_layernorm.weight",
-            "self_attn.q_proj.weight",
-            "self_attn.k_proj.weight",
-            "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight",
-            "post_attention_layernorm.weight",
-            "mlp.gate_proj.weight",
-            "mlp.up_proj.weight",
-            "mlp.down_proj.weight",
-        ]
+        if self.norms == "post":
+            names = ["post_attention_layernorm.weight", "post_feedforward_layernorm.weight"]
+        else:
+            names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        if self.fused_projections:
+            names += ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]
+        else:
+            names += [f"self_attn.{n}_proj.weight" for n in "qkv"]
+            names += ["mlp.gate_proj.weight", "mlp.up_proj.weight"]
+        names += ["self_attn.o_proj.weight", "mlp.down_proj.weight"]
         if self.qkv_bias:
             names += [f"self_attn.{n}_proj.bias" for n in "qkv"]
         if self.o_bias:
@@ -53,7 +67,9 @@ class LayerSpec:
         `q_heads` and `kv_heads` heads (launch/plan.py counts them; a q/k norm is replicated)."""
         params = (q_heads + 2 * kv_heads) * head_dim if self.qkv_bias else 0
         params += hidden if self.o_bias else 0
-        return params + (2 * head_dim if self.qk_norm else 0)
+        if self.qk_norm:
+            params += (q_heads + kv_heads) * head_dim if self.qk_norm_whole else 2 * head_dim
+        return params
 
     def extra_flops(self, hidden: int, q_size: int, kv_size: int) -> int:
         """Elementwise work per token the flags add to a layer (stages/partition.py's cost
@@ -65,4 +81,10 @@ class LayerSpec:
     def describe(self) -> str:
         """The flags set, for the start-up summary ("plain" where none)."""
         flags = [name for name in ("qkv_bias", "o_bias", "qk_norm") if getattr(self, name)]
+        if self.qk_norm_whole:
+            flags[-1] = "qk_norm_whole"
+        if self.norms != "pre":
+            flags.append(f"{self.norms}_norms")
+        if self.residual_multiplier != 1.0:
+            flags.append(f"residual*{self.residual_multiplier:g}")
         return "+".join(flags) or "plain"

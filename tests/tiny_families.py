@@ -1,10 +1,13 @@
-"""Tiny random Qwen2 and Qwen3 folders for tests, built and saved by transformers, so parity
-tests compare ppring against the reference implementation on exactly the same weights.
+"""Tiny random Qwen2, Qwen3, Phi-3, OLMo 2 and Granite folders for tests, built and saved by
+transformers, so parity tests compare ppring against the reference implementation on exactly
+the same weights.
 
 What sets the families apart from Llama is made to show: every RMSNorm weight (Qwen3's per-head
 q_norm and k_norm included) is perturbed away from 1.0, Qwen2's q/k/v biases are clearly
 nonzero, and Qwen3's head_dim is not hidden_size / num_heads, so a missing bias or norm, or a
-head size taken from the hidden size, changes the output."""
+head size taken from the hidden size, changes the output. Phi-3's folders turn half of each head
+(partial_rotary_factor 0.5) and, with LongRoPE, switch to the long factors past 64 positions;
+Granite's multipliers are far from 1."""
 
 from __future__ import annotations
 
@@ -14,6 +17,12 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -94,6 +103,115 @@ def make_tiny_qwen3(
         use_sliding_window=False,
     )
     return _save(Qwen3ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+# Phi-3's LongRoPE in miniature: past this many positions a sequence turns at the long factors
+LONGROPE_ORIGINAL = 64
+
+
+def make_tiny_phi3(
+    path: str | Path,
+    *,
+    longrope: bool = False,
+    partial_rotary: float = 0.5,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = False,
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 Phi3ForCausalLM (one qkv_proj and one gate_up_proj, a rotary over
+    `partial_rotary` of each head) to `path`; `longrope`: LongRoPE with random short and long
+    factors and original_max_position_embeddings LONGROPE_ORIGINAL (so cos and sin are scaled by
+    sqrt(1 + ln 8 / ln 64)); `init_std` and `tokenizer` as in make_tiny_qwen2."""
+    rotary_half = int(hidden // heads * partial_rotary) // 2
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if longrope:
+        generator = torch.Generator().manual_seed(seed + 1000)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(rotary_half, generator=generator)).tolist(),
+            "long_factor": (2 + 6 * torch.rand(rotary_half, generator=generator)).tolist(),
+            "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        }
+    rope["partial_rotary_factor"] = partial_rotary
+    config = Phi3Config(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        rope_parameters=rope,
+        partial_rotary_factor=partial_rotary,
+        original_max_position_embeddings=LONGROPE_ORIGINAL if longrope else max_positions,
+        max_position_embeddings=max_positions,
+        pad_token_id=None,
+        sliding_window=None,
+    )
+    return _save(Phi3ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+def make_tiny_olmo2(
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = False,
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 Olmo2ForCausalLM (norms after attention and the MLP, q and k
+    normed over their whole projections) to `path`; options as make_tiny_qwen2's."""
+    config = Olmo2Config(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=max_positions,
+        pad_token_id=None,
+    )
+    return _save(Olmo2ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+def make_tiny_granite(
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = True,  # as Granite 3's
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 GraniteForCausalLM to `path`, its four multipliers far from 1
+    (embedding x12, residual x0.22 as Granite 3's, attention 0.4 where 1/sqrt(16) would be
+    0.25, logits / 8); options as make_tiny_qwen2's."""
+    config = GraniteConfig(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max_positions,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.4,
+        logits_scaling=8.0,
+        pad_token_id=None,
+    )
+    return _save(GraniteForCausalLM, config, Path(path), seed, tokenizer)
 
 
 def _common(

@@ -13,10 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from stages.errors import ConfigError
-from stages.models import llama, qwen2, qwen3
+from stages.models import granite, llama, olmo2, phi3, qwen2, qwen3
 from stages.models.family import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    phi3.FAMILY,
+    olmo2.FAMILY,
+    granite.FAMILY,
+)
 REGISTRY: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SERVED_ARCHITECTURES: tuple[str, ...] = tuple(REGISTRY)
 

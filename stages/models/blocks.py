@@ -22,7 +22,7 @@ from torch import nn
 
 from stages.config import ModelConfig, RopeScaling
 from stages.inputs import ForwardInputs, on_device
-from stages.interface import CompiledLayers, GreedyFinish, LayerBackend
+from stages.interface import CompiledLayers, GreedyFinish, LayerBackend, Ops
 from stages.kv_cache import KVCache
 from stages.weights import EMBED, FINAL_NORM, LM_HEAD
 
@@ -31,13 +31,31 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Rotary inverse frequencies [d/2], fp32, with linear or Llama-3 scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    rotary_dim: int | None = None,
+    long: bool = False,
+) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim/2], fp32, with linear, Llama-3 or LongRoPE scaling
+    applied (LongRoPE's short factors, or its long ones where `long`). A partial rotary turns
+    only `rotary_dim` dims: its rotary_dim/2 frequencies come first, then zeros (an angle of
+    0: cos 1 and sin 0, the dim passes through: `rotary_order`)."""
+    dim = head_dim if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if scaling is not None and scaling.rope_type == "longrope":
+        # transformers' order of operations: 1 / (factors * theta ** (2i / dim))
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor)
+        inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    elif scaling is not None and scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling is not None:
+        inv_freq = _llama3(inv_freq, scaling)
+    return torch.cat((inv_freq, inv_freq.new_zeros((head_dim - dim) // 2)))
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     # Llama 3: wavelengths longer than original_ctx / low_freq_factor are slowed by `factor`,
     # shorter than original_ctx / high_freq_factor are kept, and the band between is blended.
     original = scaling.original_max_position_embeddings
@@ -50,6 +68,72 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, blended
     )
     return torch.where(wavelen < original / scaling.high_freq_factor, inv_freq, scaled)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """[head_dim] long: the order a head's dims of q and k are stored in, so that a partial
+    rotary is the whole-head one (new dim j holds old dim order[j]).
+
+    transformers turns dims [0, r) as pairs (i, i + r/2) and passes [r, D) through; the kernels
+    turn pairs (j, j + D/2) of the whole head. Putting old [0, r/2) at [0, r/2), old [r/2, r)
+    at [D/2, D/2 + r/2) and the passed-through dims in the gaps makes every rotary pair a kernel
+    pair, and every other pair one whose frequency is 0 (rope_inv_freq), which a rotation
+    leaves exactly as it was (x cos 0 + y sin 0 = x). q and k permuted alike keep every score
+    q.k; v is not touched, so attention's output is too."""
+    half, rotary_half, rest_half = head_dim // 2, rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = [*range(rotary_half), *range(rotary_dim, rotary_dim + rest_half)]
+    second = [*range(rotary_half, rotary_dim), *range(rotary_dim + rest_half, head_dim)]
+    assert len(first) == len(second) == half
+    return torch.tensor(first + second)
+
+
+class Rotary:
+    """A stage's rotary (stages/interface.py RotaryTables): its frequencies, and for LongRoPE
+    the long ones, the position a decode turns long from, and cos and sin's factor.
+
+    LongRoPE as transformers runs Phi-3: a sequence longer than original_max_position_embeddings
+    is computed at the long factors, all of it (its cache recomputed the first time it gets
+    there); a shorter one at the short factors. The scheduler decides which per sequence and
+    says so in each chunk (ring/scheduler.py `_rope_long`); a decode-only batch's rows turn long
+    exactly from that position on, so its tables need no flags (the kept decode step's and the
+    GPU graphs' read by position)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        head_dim, rotary_dim = config.head_dim, config.rotary_dim
+        scaling = config.rope_scaling
+        self.inv_freq = rope_inv_freq(head_dim, config.rope_theta, scaling, rotary_dim).to(
+            device
+        )  # [d/2]
+        self.scale: torch.Tensor | None = None
+        self.long_inv_freq: torch.Tensor | None = None
+        self.long_from = 0
+        if config.rope_long_from is not None:
+            assert scaling is not None
+            self.long_inv_freq = rope_inv_freq(
+                head_dim, config.rope_theta, scaling, rotary_dim, long=True
+            ).to(device)
+            self.long_from = config.rope_long_from
+            if scaling.attention_factor != 1.0:  # the rotary dims only; passed-through ones keep 1
+                scale = torch.ones(head_dim // 2)
+                scale[: rotary_dim // 2] = scaling.attention_factor
+                self.scale = scale.to(device)
+
+    def tables(
+        self, ops: Ops, inputs: ForwardInputs, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin of this forward's positions, as `ops.rope_tables` lays them out."""
+        positions, max_position = inputs.positions, inputs.max_position
+        if self.long_inv_freq is None:
+            return ops.rope_tables(positions, self.inv_freq, dtype, max_position, self.scale)
+        cos, sin = ops.rope_tables(positions, self.inv_freq, dtype, max_position, self.scale)
+        cos_long, sin_long = ops.rope_tables(
+            positions, self.long_inv_freq, dtype, max_position, self.scale
+        )
+        long = inputs.rope_long
+        if long is None:
+            long = positions >= self.long_from  # [T]
+        long = long.view(-1, *([1] * (cos.dim() - 1)))
+        return torch.where(long, cos_long, cos), torch.where(long, sin_long, sin)
 
 
 class DecoderLayer(nn.Module):
@@ -71,28 +155,69 @@ class DecoderLayer(nn.Module):
         self.eps = config.rms_norm_eps
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
-        self.input_norm = _param(take("input_layernorm.weight"))  # [d]
-        self.post_attn_norm = _param(take("post_attention_layernorm.weight"))  # [d]
+        self.attention_scale = config.attention_scale
+        # Where the norms sit (stages/layer_spec.py `norms`); None where the layer lacks one.
+        self.input_norm: nn.Parameter | None = None  # [d], before attention
+        self.post_attn_norm: nn.Parameter | None = None  # [d], before the MLP
+        self.attn_out_norm: nn.Parameter | None = None  # [d], on attention's output
+        self.mlp_out_norm: nn.Parameter | None = None  # [d], on the MLP's
+        if spec.norms == "post":
+            self.attn_out_norm = _param(take("post_attention_layernorm.weight"))
+            self.mlp_out_norm = _param(take("post_feedforward_layernorm.weight"))
+        else:
+            self.input_norm = _param(take("input_layernorm.weight"))
+            self.post_attn_norm = _param(take("post_attention_layernorm.weight"))
         # What the family adds to Llama's layer (stages/layer_spec.py); None where it does not.
         self.qkv_bias: nn.Parameter | None = None  # [(h + 2 h_kv) d_head]
         self.o_bias: nn.Parameter | None = None  # [d]
-        self.q_norm: nn.Parameter | None = None  # [d_head]
-        self.k_norm: nn.Parameter | None = None  # [d_head]
-        if spec.qkv_bias:
-            self.qkv_bias = _param(torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"]))
-        if spec.o_bias:
-            self.o_bias = _param(take("self_attn.o_proj.bias"))
-        if spec.qk_norm:
-            self.q_norm = _param(take("self_attn.q_norm.weight"))
-            self.k_norm = _param(take("self_attn.k_norm.weight"))
+        self.q_norm: nn.Parameter | None = None  # [d_head], or [h d_head] where whole
+        self.k_norm: nn.Parameter | None = None  # [d_head], or [h_kv d_head] where whole
+        self.qk_norm_whole = spec.qk_norm_whole
         # One [q+k+v] and one [gate+up] matmul: fewer calls (a GPU launch, or a kernel call on a
         # CPU), and the kernels read q, k, v and gate, up straight out of their outputs.
-        qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"])  # [(h+2h_kv)d, d]
-        gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")))  # [2I, d]
+        if spec.fused_projections:  # the checkpoint's own, in that order
+            qkv = take("self_attn.qkv_proj.weight")  # [(h+2h_kv)d, d]
+            gate_up = take("mlp.gate_up_proj.weight")  # [2I, d]
+        else:
+            qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"])
+            gate_up = torch.cat((take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")))
+        o = take("self_attn.o_proj.weight")  # [d, h * d_head]
+        down = take("mlp.down_proj.weight")  # [d, I]
+        qkv_bias = (
+            torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.qkv_bias else None
+        )
+        o_bias = take("self_attn.o_proj.bias") if spec.o_bias else None
+        q_norm = take("self_attn.q_norm.weight") if spec.qk_norm else None
+        k_norm = take("self_attn.k_norm.weight") if spec.qk_norm else None
+        if config.rotary_dim != config.head_dim:  # a partial rotary: rotary_order says why
+            order = rotary_order(config.head_dim, config.rotary_dim)
+            qkv = self._reorder_qk(qkv, order)
+            qkv_bias = None if qkv_bias is None else self._reorder_qk(qkv_bias, order)
+            if spec.qk_norm:
+                assert q_norm is not None and k_norm is not None
+                q_norm, k_norm = (
+                    w.view(-1, self.head_dim)[:, order].flatten() for w in (q_norm, k_norm)
+                )
+        if spec.residual_multiplier != 1.0:
+            # Granite scales both outputs before the residual add: folded into the matrices
+            # that make them (and o's bias), which is the same sum to fp32 rounding.
+            m = spec.residual_multiplier
+            o, down = o * m, down * m
+            o_bias = None if o_bias is None else o_bias * m
+        self.qkv_bias = None if qkv_bias is None else _param(qkv_bias)
+        self.o_bias = None if o_bias is None else _param(o_bias)
+        self.q_norm = None if q_norm is None else _param(q_norm)
+        self.k_norm = None if k_norm is None else _param(k_norm)
         self.qkv_proj = backend.linear(qkv)
-        self.o_proj = backend.linear(take("self_attn.o_proj.weight"))  # [d, h * d_head]
+        self.o_proj = backend.linear(o)
         self.gate_up_proj = backend.linear(gate_up)
-        self.down_proj = backend.linear(take("mlp.down_proj.weight"))  # [d, I]
+        self.down_proj = backend.linear(down)
+
+    def _reorder_qk(self, qkv: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """qkv [(h + 2 h_kv) d_head, ...] with every q and k head's rows in `order`."""
+        q_k = (self.num_heads + self.num_kv_heads) * self.head_dim
+        heads = qkv[:q_k].unflatten(0, (-1, self.head_dim))  # [h + h_kv, d_head, ...]
+        return torch.cat((heads[:, order].flatten(0, 1), qkv[q_k:]))
 
     def forward(
         self,
@@ -106,26 +231,44 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h, residual [T, d] -> (h, residual) [T, d]; `layer` is the local index into `kv`."""
         num_tokens = h.shape[0]
+        ops, eps = self.ops, self.eps
         # A stage's first layer may read hidden_states straight out of a received frame
         # (read-only); every later h is the previous layer's own output, free to overwrite.
-        x, residual = self.ops.add_rms_norm(h, residual, self.input_norm, self.eps, layer > 0)
+        if self.input_norm is not None:
+            x, residual = ops.add_rms_norm(h, residual, self.input_norm, eps, layer > 0)
+        else:  # attention reads the stream itself
+            x = residual = ops.add(h, residual, layer > 0)
         kv_layer = kv.layer(layer)  # [2, slots, h_kv, d]
         qkv = self.qkv_proj(x)  # [T, (h + 2 h_kv) d]
         if self.qkv_bias is not None:
-            qkv = self.ops.add_bias(qkv, self.qkv_bias)
+            qkv = ops.add_bias(qkv, self.qkv_bias)
         if self.q_norm is not None and self.k_norm is not None:
             heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-            qkv = self.ops.rms_norm_heads(qkv, 0, heads, head_dim, self.q_norm, self.eps)
-            qkv = self.ops.rms_norm_heads(qkv, heads, kv_heads, head_dim, self.k_norm, self.eps)
-        q = self.ops.rope_store(
+            if self.qk_norm_whole:  # one "head" of h d_head, then one of h_kv d_head
+                qkv = ops.rms_norm_heads(qkv, 0, 1, heads * head_dim, self.q_norm, eps)
+                qkv = ops.rms_norm_heads(
+                    qkv, heads // kv_heads, 1, kv_heads * head_dim, self.k_norm, eps
+                )
+            else:
+                qkv = ops.rms_norm_heads(qkv, 0, heads, head_dim, self.q_norm, eps)
+                qkv = ops.rms_norm_heads(qkv, heads, kv_heads, head_dim, self.k_norm, eps)
+        q = ops.rope_store(
             qkv, cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
         )  # [T, h, d]; this step's K and V are now in the cache
-        o = self.ops.attention(q, kv_layer, inputs)  # [T, h, d]
+        o = ops.attention(q, kv_layer, inputs, self.attention_scale)  # [T, h, d]
         h = self.o_proj(o.view(num_tokens, -1))  # [T, d]
         if self.o_bias is not None:
-            h = self.ops.add_bias(h, self.o_bias)
-        x, residual = self.ops.add_rms_norm(h, residual, self.post_attn_norm, self.eps, True)
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x))), residual
+            h = ops.add_bias(h, self.o_bias)
+        if self.attn_out_norm is not None:
+            h, _ = ops.add_rms_norm(h, None, self.attn_out_norm, eps, True)
+        if self.post_attn_norm is not None:
+            x, residual = ops.add_rms_norm(h, residual, self.post_attn_norm, eps, True)
+        else:  # the MLP reads the stream itself
+            x = residual = ops.add(h, residual, True)
+        h = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if self.mlp_out_norm is not None:
+            h, _ = ops.add_rms_norm(h, None, self.mlp_out_norm, eps, True)
+        return h, residual
 
 
 class CausalLMStage(nn.Module):
@@ -150,7 +293,8 @@ class CausalLMStage(nn.Module):
         self.start_layer, self.end_layer = start, end
         self.is_first_stage = start == 0
         self.is_last_stage = end == config.num_layers
-        norm = weights[f"model.layers.{start}.input_layernorm.weight"]
+        # a 1-D tensor of the first layer's: what the stage computes in, and where
+        norm = weights[f"model.layers.{start}.{config.layer_spec.layer_tensors()[0]}"]
         self.dtype, self.device = norm.dtype, norm.device
         self.ops = backend.ops
         self.layers = nn.ModuleList(
@@ -159,8 +303,8 @@ class CausalLMStage(nn.Module):
         # On the CPU kernels, every layer in one C call (stages/backend/cpu/fused_layer.py);
         # None: one Python call per op, as DecoderLayer.forward.
         self.fused: CompiledLayers | None = backend.compile_layers(list(self.layers), self.dtype)
-        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)  # [d/2]
+        self.rotary = Rotary(config, self.device)
+        self.inv_freq = self.rotary.inv_freq  # [d/2]
         # First stage embeds the token ids; later stages start from what the previous sent.
         self._begin: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
         embed = weights.pop(EMBED) if self.is_first_stage else None  # [V, d]
@@ -169,7 +313,12 @@ class CausalLMStage(nn.Module):
             head_rows = (0, config.vocab_size)
         self.head_rows = head_rows
         if self.is_last_stage:
-            self.final_norm = _param(weights.pop(FINAL_NORM))  # [d]
+            # Granite divides the logits by logits_scaling: folded into the final norm's weight,
+            # which only the lm_head reads (on either end of a split one)
+            final_norm = weights.pop(FINAL_NORM)  # [d]
+            if config.logits_scaling != 1.0:
+                final_norm = final_norm / config.logits_scaling
+            self.final_norm = _param(final_norm)
         head_serves_lookup = False
         if head_rows is not None:
             head = weights.pop(LM_HEAD)  # [V, d]
@@ -209,9 +358,7 @@ class CausalLMStage(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
-        cos, sin = self.ops.rope_tables(  # all layers
-            inputs.positions, self.inv_freq, self.dtype, inputs.max_position
-        )
+        cos, sin = self.rotary.tables(self.ops, inputs, self.dtype)  # all layers
         # (a stage on the CPU kernels always reads the cache paged; a batch with a long
         # prefill chunk, whose attention is not the paged kernel's, takes the layers' calls)
         if self.fused is not None and not self.ops.long_chunks(inputs):
@@ -253,8 +400,11 @@ class CausalLMStage(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """First stage: token ids [T] long -> their rows [T, d] in the stage dtype."""
         if self.embed_tokens is None:  # tied: the lm_head holds the matrix
-            return self.lm_head.rows(ids)
-        return F.embedding(ids, self.embed_tokens)
+            rows = self.lm_head.rows(ids)
+        else:
+            rows = F.embedding(ids, self.embed_tokens)
+        multiplier = self.config.embedding_multiplier
+        return rows if multiplier == 1.0 else rows * multiplier  # (Granite's)
 
     def _receive(
         self,

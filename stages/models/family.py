@@ -18,6 +18,9 @@ class Family:
     # (config.json as a dict, the folder's name for messages) -> the spec, or one ConfigError
     # naming what this family's folder asks for that ppring does not implement
     read_spec: Callable[[dict[str, Any], str], LayerSpec]
+    # (config.json, folder name) -> the ModelConfig fields of a family's own scalars (Granite's
+    # multipliers), by name; none elsewhere
+    read_scalars: Callable[[dict[str, Any], str], dict[str, Any]] = lambda raw, source: {}
 
 
 def check_swiglu(raw: dict[str, Any], source: str) -> None:
@@ -41,4 +44,25 @@ def check_full_attention(raw: dict[str, Any], source: str) -> None:
         raise ConfigError(
             f"{source} uses sliding-window attention (use_sliding_window / layer_types), which "
             "ppring does not implement; serve a model with full attention in every layer"
+        )
+
+
+def check_no_window(raw: dict[str, Any], source: str) -> None:
+    """Llama-style configs (Mistral, Phi-3): a window only where `sliding_window` is shorter
+    than the context."""
+    window = raw.get("sliding_window")
+    max_positions = raw.get("max_position_embeddings")
+    if window is not None and (not isinstance(max_positions, int) or window < max_positions):
+        raise ConfigError(
+            f"{source} uses sliding-window attention (sliding_window={window} < "
+            f"max_position_embeddings={max_positions}), which ppring does not implement; "
+            "serve a model without a sliding window"
+        )
+
+
+def check_no_attention_bias(raw: dict[str, Any], source: str, family: str) -> None:
+    if raw.get("attention_bias"):
+        raise ConfigError(
+            f"{source} has bias terms (attention_bias), which ppring implements for Qwen2 and "
+            f"Qwen3 but not for {family}; serve a {family} model without them"
         )

@@ -20,8 +20,12 @@ from launch.procs import ROOT, find_free_base_port
 from stages.backend.cpu import fused_layer
 from tests.e2e.conftest import PROMPTS
 from tests.tiny_families import (
+    LONGROPE_ORIGINAL,
     TOKENIZER_EOS_ID,
     TOKENIZER_VOCAB,
+    make_tiny_granite,
+    make_tiny_olmo2,
+    make_tiny_phi3,
     make_tiny_qwen2,
     make_tiny_qwen3,
 )
@@ -44,7 +48,19 @@ def family_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "qwen2": make_tiny_qwen2(root / "qwen2", seed=31, **common),
         "qwen3": make_tiny_qwen3(root / "qwen3", seed=32, **common),
+        "phi3-longrope": make_tiny_phi3(root / "phi3", longrope=True, seed=33, **common),
+        "olmo2": make_tiny_olmo2(root / "olmo2", seed=36, **common),
+        "granite": make_tiny_granite(root / "granite", seed=35, **common),
     }
+
+
+# One byte a token: the first two cross LongRoPE's switch at 64 positions as they decode (and
+# are computed again, at the long factors), the third is past it from its prompt on.
+LONGROPE_PROMPTS = [
+    "Once upon a time, in a small village by the sea, there",
+    "The three primary colors are red, yellow and blue; mixed",
+    "Water boils at a temperature of one hundred degrees Celsius at sea level, and",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +74,7 @@ def hf_tokens(family_folders: dict[str, Path]) -> dict[str, dict[str, list[int]]
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         assert type(model).__name__ == model.config.architectures[0]
         expected[family] = {}
-        for prompt in PROMPTS[:3]:
+        for prompt in LONGROPE_PROMPTS if family == "phi3-longrope" else PROMPTS[:3]:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             with torch.inference_mode():
                 out = model.generate(
@@ -77,13 +93,25 @@ def hf_tokens(family_folders: dict[str, Path]) -> dict[str, dict[str, list[int]]
     return expected
 
 
-# Every PP size on the default path; the general path where stages hand seams on (PP=1 on it
-# is tests/stages/test_families.py's): 10 rings, each 5-10 s to start and stop on 2 cores.
+ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "phi3-longrope": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+}  # fmt: skip
+# Qwen2 and Qwen3 at every PP size on the default path and on the general path where stages
+# hand seams on (PP=1 on it is tests/stages/test_families.py's); the later families once each
+# (every path and PP size: tests/stages/test_families.py), Phi-3 with LongRoPE through the
+# general path, where prompts cross its switch at 64 positions as they decode and are computed
+# again at the long factors. 13 rings, each 5-10 s to start and stop on 2 cores.
+QWEN_RINGS = ((1, "fused"), (2, "fused"), (3, "fused"), (2, "general"), (3, "general"))
+RINGS = [
+    *((family, pp_size, path) for family in ("qwen2", "qwen3") for pp_size, path in QWEN_RINGS),
+    ("phi3-longrope", 3, "general"), ("olmo2", 2, "fused"), ("granite", 2, "fused"),
+]  # fmt: skip
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("pp_size", "path"), [(1, "fused"), (2, "fused"), (3, "fused"), (2, "general"), (3, "general")]
-)
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("family", "pp_size", "path"), RINGS)
 def test_greedy_tokens_equal_transformers(
     start_local,
     family_folders: dict[str, Path],
@@ -104,13 +132,19 @@ def test_greedy_tokens_equal_transformers(
     log = server.log_text()
     assert log.count("backend: cpu (") == pp_size
     layers = "fused" if path == "fused" else "one call per op: PPRING_FUSED_LAYERS=0"
-    architecture = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
-    assert log.count(f"{architecture} ") == pp_size
+    assert log.count(f"{ARCHITECTURES[family]} ") == pp_size
     assert log.count(f"layers ({layers})") == pp_size
     with Client(server.addr, timeout_s=60) as client:
         for prompt, expected in hf_tokens[family].items():
             got = client.complete(prompt, max_new_tokens=NEW_TOKENS, temperature=0).token_ids
             assert got == expected, prompt
+
+
+def test_the_longrope_prompts_cross_the_switch_as_they_decode() -> None:
+    lengths = [len(prompt.encode()) for prompt in LONGROPE_PROMPTS]
+    assert lengths[0] < LONGROPE_ORIGINAL < lengths[0] + NEW_TOKENS
+    assert lengths[1] < LONGROPE_ORIGINAL < lengths[1] + NEW_TOKENS
+    assert lengths[2] > LONGROPE_ORIGINAL
 
 
 @pytest.mark.timeout(120)

@@ -150,3 +150,65 @@ def test_lpm_passes_a_request_over_a_bounded_number_of_times():
     sched.apply_reqs(Reqs(0, 2, new=hot))
     order = admitted_in_order(sched)
     assert order.index("cold") == LPM_MAX_PASSES  # then arrival order puts it first
+
+
+# --- LongRoPE: a sequence past the original context, computed again at the long factors --------
+
+LONG_FROM = 3 * BLOCK_SIZE  # ModelInfo.rope_long_from of a LongRoPE model
+
+
+def test_a_longrope_sequence_is_computed_again_whole_when_it_reaches_past_the_switch():
+    """As transformers' Phi-3 recomputes its cache the first time a sequence gets past
+    original_max_position_embeddings: the decode that would take it there is a prefill of the
+    whole sequence at the long factors instead, and it samples from its last position."""
+    sched = Scheduler(
+        RingConfig(), num_kv_blocks=100, context_length=1000, rope_long_from=LONG_FROM
+    )
+    prompt = list(range(LONG_FROM - 2))
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", prompt, max_new=6)]))
+    chunks, step = [], 0
+    while sched.has_work:
+        batch, _ = sched.decide(0, step)
+        chunks += [e.chunk for e in batch.entries]
+        sched.apply_output(Output(0, step, batch.digest, token_ids=[7] * len(batch.sampled)))
+        step += 1
+    starts = [(c.start_pos, c.num_tokens, c.rope_long) for c in chunks]
+    # prompt (46 tokens) and one decode at the short factors (positions 0-46, 47 tokens), then
+    # the token at position 47 takes the sequence to 48 = LONG_FROM, still not past it; the
+    # next would: 49 tokens, all of them again at the long factors, then decodes long
+    assert starts == [
+        (0, LONG_FROM - 2, False), (LONG_FROM - 2, 1, False), (LONG_FROM - 1, 1, False),
+        (0, LONG_FROM + 1, True), (LONG_FROM + 1, 1, True), (LONG_FROM + 2, 1, True),
+    ]  # fmt: skip
+    assert all(c.sample for c in chunks)
+    assert sched.stats.num_rope_recomputes == 1 and sched.stats.num_retractions == 0
+    # the short blocks stay cached under their own keys, the long ones under others
+    assert sched.pool.num_cached == 2 * (LONG_FROM // BLOCK_SIZE) and sched.pool.is_whole()
+
+
+def test_a_longrope_prompt_past_the_switch_is_long_in_every_chunk_and_matches_only_long_blocks():
+    cfg = RingConfig(chunked_prefill_size=BLOCK_SIZE)
+    sched = Scheduler(cfg, num_kv_blocks=100, context_length=1000, rope_long_from=LONG_FROM)
+    short = list(range(LONG_FROM - 8))  # short: computed at the short factors
+    sched.apply_reqs(Reqs(0, 0, new=[new("short", short, max_new=1)]))
+    step = run_until_idle(sched)
+    long = short + list(range(500, 520))  # the same first blocks, but past the switch
+    sched.apply_reqs(Reqs(0, 1, new=[new("long", long, max_new=1)]))
+    batch, _ = sched.decide(0, step)
+    (entry,) = batch.entries
+    # nothing of the short prompt's blocks is K and V at the long factors: none matched
+    assert entry.chunk.start_pos == 0 and entry.chunk.rope_long
+    step = run_until_idle(sched, step)
+    assert sched.stats.prefix_hit_tokens == 0
+    # a third, long too, finds the second's blocks
+    sched.apply_reqs(Reqs(0, 2, new=[new("again", long + [1], max_new=1)]))
+    batch, _ = sched.decide(0, step)
+    assert batch.entries[0].chunk.rope_long
+    assert batch.entries[0].chunk.start_pos == len(long) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_without_longrope_no_chunk_is_long():
+    sched = Scheduler(RingConfig(), num_kv_blocks=100, context_length=1000)
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", list(range(200)), max_new=3)]))
+    batch, _ = sched.decide(0, 0)
+    assert not batch.entries[0].chunk.rope_long

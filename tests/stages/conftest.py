@@ -150,6 +150,9 @@ class Chain:
             )
             for rank in range(len(partition))
         ]
+        # LongRoPE: a sequence longer than this is computed at the long factors, all of it (as
+        # the ring's scheduler decides: ring/scheduler.py `_rope_long`); None elsewhere
+        self.rope_long_from = self.stages[0].config.rope_long_from
         agreed = min(stage.num_kv_blocks for stage in self.stages)
         for stage in self.stages:
             stage.allocate_kv(agreed)
@@ -158,6 +161,10 @@ class Chain:
                 assert stage.kv is not None
                 stage.kv.data.fill_(float("nan"))
         self.blocks = BlockPool(agreed, scattered=scattered)
+
+    def rope_long(self, seq_len: int) -> bool:
+        """Whether a sequence of seq_len tokens is computed at LongRoPE's long factors."""
+        return self.rope_long_from is not None and seq_len > self.rope_long_from
 
     def _through(self, chunks: list[SeqChunk]) -> dict[str, torch.Tensor]:
         seam: dict[str, torch.Tensor] = {}
@@ -198,7 +205,8 @@ def drive_teacher_forced(
     """Feed each sequence through `chain`: its prompt in prefill chunks of `chunk_size` (whole if
     None), then one token per step (decode) until the sequence ends; request i joins at step
     i * stagger. Every step is one batch mixing whatever each request needs. Returns each
-    sequence's [len, V] logits, row p for position p."""
+    sequence's [len, V] logits, row p for position p. (A LongRoPE sequence is computed at the
+    factors of its whole length, as a reference's one forward over it is.)"""
     done = [0] * len(seqs)
     tables: list[list[int]] = [[] for _ in seqs]
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -214,7 +222,8 @@ def drive_teacher_forced(
             else:
                 end = done[i] + 1
             chain.blocks.grow(tables[i], end)
-            chunks.append(SeqChunk(seq[done[i] : end], done[i], list(tables[i]), sample=True))
+            long = chain.rope_long(len(seq))
+            chunks.append(SeqChunk(seq[done[i] : end], done[i], list(tables[i]), True, long))
             owners.append(i)
         step += 1
         if not chunks:
@@ -235,12 +244,18 @@ def decode_logits(
     sequence not yet at its end (so the batch shrinks). Returns, per sequence, {position: its
     [V] logits} for the decoded positions."""
     tables = [chain.blocks.grow([], len(seq)) for seq in seqs]
-    chain.logits([SeqChunk(s[:p], 0, t, True) for s, p, t in zip(seqs, prompt_lens, tables)])
+    long = [chain.rope_long(len(seq)) for seq in seqs]  # (as drive_teacher_forced's)
+    chain.logits(
+        [SeqChunk(s[:p], 0, t, True, g) for s, p, t, g in zip(seqs, prompt_lens, tables, long)]
+    )
     rows: list[dict[int, torch.Tensor]] = [{} for _ in seqs]
     for step in range(max(len(s) - p for s, p in zip(seqs, prompt_lens))):
         live = [i for i, (s, p) in enumerate(zip(seqs, prompt_lens)) if p + step < len(s)]
         positions = [prompt_lens[i] + step for i in live]
-        chunks = [SeqChunk([seqs[i][pos]], pos, tables[i], True) for i, pos in zip(live, positions)]
+        chunks = [
+            SeqChunk([seqs[i][pos]], pos, tables[i], True, long[i])
+            for i, pos in zip(live, positions)
+        ]
         logits = chain.logits(chunks, graphs=graphs)  # [n, V]
         for row, (i, pos) in enumerate(zip(live, positions)):
             rows[i][pos] = logits[row].cpu()
@@ -251,10 +266,15 @@ def greedy_generate(
     chain: Chain, prompts: list[list[int]], max_new_tokens: int, eos_ids: Sequence[int] = ()
 ) -> list[list[int]]:
     """Batched greedy generation through the chain (prefill together, then decode together);
-    a request stops at an eos id (kept in its output) or after max_new_tokens."""
+    a request stops at an eos id (kept in its output) or after max_new_tokens. A LongRoPE
+    sequence whose next token takes it past the switch is computed again whole at the long
+    factors, as the ring's scheduler does (ring/scheduler.py `_recompute_long`)."""
     tables = [chain.blocks.grow([], len(p) + max_new_tokens) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
-    chunks = [SeqChunk(list(p), 0, tables[i], sample=True) for i, p in enumerate(prompts)]
+    chunks = [
+        SeqChunk(list(p), 0, tables[i], True, chain.rope_long(len(p)))
+        for i, p in enumerate(prompts)
+    ]
     owners = list(range(len(prompts)))
     while chunks:
         tokens = chain.sample(chunks).token_ids
@@ -263,7 +283,13 @@ def greedy_generate(
             outputs[i].append(token)
             if token in eos_ids or len(outputs[i]) >= max_new_tokens:
                 continue
-            next_chunks.append(SeqChunk([token], chunk.seq_len, tables[i], sample=True))
+            if not chunk.rope_long and chain.rope_long(chunk.seq_len + 1):
+                whole = list(prompts[i]) + outputs[i]
+                next_chunks.append(SeqChunk(whole, 0, tables[i], True, rope_long=True))
+            else:
+                next_chunks.append(
+                    SeqChunk([token], chunk.seq_len, tables[i], True, chunk.rope_long)
+                )
             next_owners.append(i)
         chunks, owners = next_chunks, next_owners
     return outputs

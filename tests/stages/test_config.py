@@ -136,6 +136,28 @@ def test_non_llama_model_names_the_fix(tmp_path: Path) -> None:
         ({"attention_bias": True}, "bias"),
         ({"hidden_act": "gelu"}, "silu"),
         ({"hidden_size": None}, "lacks an integer hidden_size"),
+        ({"partial_rotary_factor": 37 / 128}, "turns 37 of 128 dims"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0],
+                    "long_factor": [1.0],
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "longrope factors hold 1 and 1 values",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0]}},
+            "without original_max_position_embeddings",
+        ),
+        (
+            {"architectures": ["Phi3ForCausalLM"], "sliding_window": 2047},
+            "sliding_window=2047 < max_position_embeddings",
+        ),
+        ({"architectures": ["GraniteForCausalLM"], "logits_scaling": 0}, "logits_scaling=0"),
+        ({"architectures": ["Olmo2ForCausalLM"], "attention_bias": True}, "OLMo 2"),
     ],
 )
 def test_unsupported_variants_are_refused(tmp_path: Path, change: dict, needle: str) -> None:

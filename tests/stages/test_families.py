@@ -1,4 +1,5 @@
-"""The Qwen2 and Qwen3 families (tests/tiny_families.py) against transformers, in one process:
+"""The Qwen2, Qwen3, Phi-3 (with and without LongRoPE), OLMo 2 and Granite families
+(tests/tiny_families.py) against transformers, in one process:
 chained stages give transformers' logits and greedy tokens at PP = 1, 2, 3 on every path a CPU
 stage can take (the layers fused into one C call, the layers one kernel call at a time, torch
 alone), the kept decode buffers equal the general path bit for bit, bf16 stays close, a split
@@ -36,7 +37,15 @@ from tests.stages.test_config import LLAMA_V4_CONFIG, write_config
 from tests.stages.test_cpu_decode import drive, kept_calls
 from tests.stages.test_fused_layer import needs_bf16_dot
 from tests.stages.test_parity import random_seqs
-from tests.tiny_families import EOS_TOKEN_ID, make_tiny_qwen2, make_tiny_qwen3
+from tests.tiny_families import (
+    EOS_TOKEN_ID,
+    LONGROPE_ORIGINAL,
+    make_tiny_granite,
+    make_tiny_olmo2,
+    make_tiny_phi3,
+    make_tiny_qwen2,
+    make_tiny_qwen3,
+)
 
 TOLERANCE = 1e-4  # max abs logit difference, fp32 (as test_parity's)
 BF16_TOLERANCE = 0.02  # as test_parity's bf16 test: the tiny models' logits are O(0.1)
@@ -44,8 +53,19 @@ BF16_TOLERANCE = 0.02  # as test_parity's bf16 test: the tiny models' logits are
 GREEDY_INIT_STD = 0.2  # tests/tiny_families.py's init_std for the folders of greedy tests
 MIN_MARGIN = 1e-3  # transformers' greedy path keeps its best logit this far above the next
 
-FAMILIES = ["qwen2", "qwen3"]
-TIED = ["qwen2-tied", "qwen3-tied"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "phi3-longrope", "olmo2", "granite"]
+TIED = ["qwen2-tied", "qwen3-tied", "granite-tied"]
+MAKERS = {
+    "qwen2": make_tiny_qwen2, "qwen3": make_tiny_qwen3, "phi3": make_tiny_phi3,
+    "phi3-longrope": lambda path, **kw: make_tiny_phi3(path, longrope=True, **kw),
+    "olmo2": make_tiny_olmo2,
+    "granite": lambda path, **kw: make_tiny_granite(path, tied=False, **kw),
+}  # fmt: skip
+# (seed, the greedy folder's seed): greedy folders whose prompts below meet no near tie
+SEEDS = {
+    "qwen2": (21, 25), "qwen3": (22, 26), "phi3": (41, 45), "phi3-longrope": (51, 58),
+    "olmo2": (61, 65), "granite": (71, 81),
+}  # fmt: skip
 PARTITIONS = {"PP1": [4], "PP2": [2, 2], "PP3": [1, 2, 1]}
 
 
@@ -59,11 +79,14 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     and vary the heads: MHA for Qwen2, MQA with 8 heads of 16 for Qwen3."""
     root = tmp_path_factory.mktemp("tiny-families")
     wide = GREEDY_INIT_STD
+    folders = {}
+    for name, make in MAKERS.items():
+        seed, greedy_seed = SEEDS[name]
+        folders[name] = make(root / name, seed=seed)
+        folders[f"{name}-greedy"] = make(root / f"{name}-greedy", seed=greedy_seed, init_std=wide)
     return {
-        "qwen2": make_tiny_qwen2(root / "qwen2", seed=21),
-        "qwen3": make_tiny_qwen3(root / "qwen3", seed=22),
-        "qwen2-greedy": make_tiny_qwen2(root / "qwen2-greedy", seed=25, init_std=wide),
-        "qwen3-greedy": make_tiny_qwen3(root / "qwen3-greedy", seed=26, init_std=wide),
+        **folders,
+        "granite-tied": make_tiny_granite(root / "granite-tied", seed=99, init_std=wide),
         "qwen2-tied": make_tiny_qwen2(
             root / "qwen2-tied", tied=True, kv_heads=4, seed=23, init_std=wide
         ),
@@ -167,6 +190,18 @@ def test_the_folders_hold_what_sets_each_family_apart(family_dirs: dict[str, Pat
         assert norm.shape == (32,) and (norm - 1).abs().max() > 0.05
     config = ModelConfig.from_folder(family_dirs["qwen3"])
     assert (config.head_dim, config.q_size, config.hidden_size) == (32, 128, 64)
+    phi3 = hf_model(family_dirs["phi3-longrope"])
+    assert phi3.model.layers[0].self_attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+    config = ModelConfig.from_folder(family_dirs["phi3-longrope"])
+    assert (config.rotary_dim, config.rope_long_from) == (8, LONGROPE_ORIGINAL)
+    assert config.rope_scaling is not None and config.rope_scaling.attention_factor > 1.2
+    olmo2 = hf_model(family_dirs["olmo2"]).model.layers[0]
+    assert olmo2.self_attn.q_norm.weight.shape == (64,)  # the whole projection
+    assert olmo2.self_attn.k_norm.weight.shape == (32,)
+    assert not hasattr(olmo2, "input_layernorm")
+    granite = ModelConfig.from_folder(family_dirs["granite"])
+    assert granite.attention_scale == 0.4 and granite.layer_spec.residual_multiplier == 0.22
+    assert (granite.embedding_multiplier, granite.logits_scaling) == (12.0, 8.0)
 
 
 @torch.inference_mode()
@@ -176,6 +211,8 @@ def test_the_folders_hold_what_sets_each_family_apart(family_dirs: dict[str, Pat
         ("qwen2", "_proj.bias", 0.0),
         ("qwen3", "q_norm.weight", 1.0),
         ("qwen3", "k_norm.weight", 1.0),
+        ("olmo2", "q_norm.weight", 1.0),
+        ("olmo2", "post_feedforward_layernorm.weight", 1.0),
     ],
 )
 def test_leaving_out_a_family_feature_moves_the_logits_far_beyond_the_tolerance(
@@ -192,6 +229,36 @@ def test_leaving_out_a_family_feature_moves_the_logits_far_beyond_the_tolerance(
     for param in touched:
         param.fill_(neutral)
     moved = (changed(torch.tensor([seq])).logits[0] - expected).abs().max().item()
+    assert moved > 100 * TOLERANCE
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize(
+    ("model", "override"),
+    [
+        ("granite", {"embedding_multiplier": 1.0}),
+        ("granite", {"residual_multiplier": 1.0}),
+        ("granite", {"attention_multiplier": 0.25}),  # 1/sqrt(head_dim)
+        ("granite", {"logits_scaling": 1.0}),
+        ("phi3", {"partial_rotary_factor": 1.0}),
+    ],
+)
+def test_leaving_out_a_family_scalar_moves_the_logits_far_beyond_the_tolerance(
+    family_dirs: dict[str, Path], model: str, override: dict[str, float]
+) -> None:
+    """As above for what a config sets rather than a weight: Granite's multipliers, Phi-3's
+    partial rotary (a stage that turned the whole head could not pass); on the folders of the
+    greedy tests, whose logits are not O(0.1)."""
+    folder = family_dirs[f"{model}-greedy"]
+    seq = random_seqs([24], seed=4)[0]
+    expected = hf_logits(folder, seq)
+    config = hf_model(folder).config
+    if "partial_rotary_factor" in override:
+        rope = dict(config.rope_parameters, **override)
+        changed = AutoModelForCausalLM.from_pretrained(folder, rope_parameters=rope, **override)
+    else:
+        changed = AutoModelForCausalLM.from_pretrained(folder, **override)
+    moved = (changed.eval()(torch.tensor([seq])).logits[0] - expected).abs().max().item()
     assert moved > 100 * TOLERANCE
 
 
@@ -275,6 +342,44 @@ def test_a_split_lm_head_gives_transformers_greedy_tokens(
     assert got == [hf_greedy(folder, prompt, 16) for prompt in prompts]
 
 
+# --- LongRoPE: the short factors, then the long ones ------------------------------------------
+
+
+@pytest.mark.parametrize("split", list(PARTITIONS))
+def test_longrope_sequences_turn_long_where_transformers_does(
+    family_dirs: dict[str, Path], split: str, compute_path: str
+) -> None:
+    """transformers turns a forward at LongRoPE's long factors where its positions reach past
+    original_max_position_embeddings (64 here): a prompt that long from its prefill on, a
+    shorter one from the decode that passes 64 (its earlier K stays as the short factors made
+    it), one that never gets there never. The three share every step here; each gets its own."""
+    folder = family_dirs["phi3-longrope-greedy"]
+    chain = Chain(folder, PARTITIONS[split])
+    assert_path_taken(chain, compute_path)
+    prompts = random_seqs([LONGROPE_ORIGINAL + 6, LONGROPE_ORIGINAL - 14, 20], seed=12)
+    got = greedy_generate(chain, prompts, max_new_tokens=24, eos_ids=[EOS_TOKEN_ID])
+    assert got == [hf_greedy(folder, prompt, 24) for prompt in prompts]
+    # the middle one crossed: it decoded at both factors
+    assert len(prompts[1]) < LONGROPE_ORIGINAL < len(prompts[1]) + len(got[1])
+
+
+def test_longrope_factors_are_what_set_the_tokens(family_dirs: dict[str, Path]) -> None:
+    """The parity above would pass without the long factors if they changed nothing: with the
+    short ones everywhere transformers' own tokens differ (and so would ppring's)."""
+    folder = family_dirs["phi3-longrope-greedy"]
+    prompt = random_seqs([LONGROPE_ORIGINAL + 6], seed=12)[0]
+    changed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rope = changed.config.rope_parameters
+    rope["long_factor"] = list(rope["short_factor"])
+    changed = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, rope_parameters=rope
+    ).eval()
+    with torch.inference_mode():
+        expected = hf_logits(folder, prompt)
+        moved = (changed(torch.tensor([prompt])).logits[0] - expected).abs().max().item()
+    assert moved > 100 * TOLERANCE
+
+
 # --- the kept decode buffers, and bf16 ----------------------------------------------------------
 
 
@@ -344,6 +449,8 @@ def test_the_gpu_layout_matches_transformers_on_the_cpu(
     chain = Chain(folder, [2, 2])
     assert all(stage.attention == "gather" for stage in chain.stages)
     prompt_lens = [60, 5, 31, 12]  # decodes of very different lengths share steps
+    if family == "phi3-longrope":  # within the short factors' positions (see below)
+        prompt_lens[0] = LONGROPE_ORIGINAL - 10
     seqs = random_seqs([n + 10 for n in prompt_lens], seed=9)
     logits = drive_teacher_forced(chain, seqs, prompt_lens, chunk_size=8, stagger=1)
     assert_matches_hf(folder, seqs, logits)
@@ -398,7 +505,9 @@ def test_queued_steps_in_a_ring_give_transformers_greedy_tokens(
             overlap=True, cuda_graph_max_bs=4, graph_recorder=EagerRecorder(),
         )  # fmt: skip
 
-    with ThreadRing(cfg, make, ModelInfo(context_length=512), f"{family}-queued") as ring:
+    config = ModelConfig.from_folder(folder)
+    info = ModelInfo(context_length=512, rope_long_from=config.rope_long_from)
+    with ThreadRing(cfg, make, info, f"{family}-queued") as ring:
         ring.driver.submit_many(requests)
         ring.driver.wait_finished([r[0] for r in requests], timeout_s=90)
         got = dict(ring.driver.tokens)
@@ -412,7 +521,8 @@ def test_queued_steps_in_a_ring_give_transformers_greedy_tokens(
 
 
 @pytest.mark.parametrize(
-    ("architecture", "model_type"), [("GemmaForCausalLM", "gemma"), ("Phi3ForCausalLM", "phi3")]
+    ("architecture", "model_type"),
+    [("GemmaForCausalLM", "gemma"), ("GPTNeoXForCausalLM", "gpt_neox")],
 )
 def test_an_architecture_not_served_is_one_sentence_naming_those_served(
     tmp_path: Path, architecture: str, model_type: str

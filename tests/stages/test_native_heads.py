@@ -73,6 +73,30 @@ def test_add_bias_rounds_denormal_and_tied_sums_as_torch(kernels: native.NativeK
     assert torch.equal(kernels.add_bias(y.clone(), bias), y + bias)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rows", "d"), [(1, 7), (3, 64), (9, 131)])
+def test_add_is_torchs_add_in_place_or_not(
+    kernels: native.NativeKernels, dtype: torch.dtype, rows: int, d: int
+) -> None:
+    """The residual stream of a layer that reads it un-normed (OLMo 2): h + residual, written
+    into a new tensor or over h, and h itself where there is no residual."""
+    torch.manual_seed(rows * d)
+    h, residual = (torch.randn(2, rows, d) * 3).to(dtype).unbind(0)
+    h, residual = h.contiguous(), residual.contiguous()
+    expected = h + residual
+    got = kernels.add(h, residual)
+    assert got is not h and torch.equal(got, expected) and torch.equal(h + residual, expected)
+    scratch = h.clone()
+    assert kernels.add(scratch, residual, h_is_scratch=True) is scratch
+    assert torch.equal(scratch, expected)
+    assert kernels.add(h, None) is h
+
+
+def test_add_refuses_tensors_of_other_shapes(kernels: native.NativeKernels) -> None:
+    with pytest.raises(ValueError, match="alike"):
+        kernels.add(torch.randn(4, 8), torch.randn(4, 9))
+
+
 def heads_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D]: transformers' RMSNorm of each head (Qwen3RMSNorm), in x's dtype."""
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

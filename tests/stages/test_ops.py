@@ -23,3 +23,18 @@ def test_the_table_rows_equal_each_positions_own_computation_as_it_grows() -> No
         assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
         assert table.cos.shape[0] >= top
     assert table.cos.shape[0] == 131072  # doubled from 1024 until 70000 fits
+
+
+def test_a_longrope_table_turns_long_from_its_switch_and_scales_its_rotary_dims() -> None:
+    """The kept decode step's table for LongRoPE (stages/models/blocks.py Rotary): rows below
+    the switch at the short frequencies, from it on at the long ones, both scaled."""
+    short, long = torch.rand(32) * 0.1, torch.rand(32) * 0.01
+    scale = torch.ones(32)
+    scale[:24] = 1.2
+    table = RopeTable(short, scale, long, long_from=700)
+    positions = torch.tensor([0, 5, 699, 700, 701, 2047])
+    cos, sin = table.rows(positions, 2047)
+    for row, position in enumerate(positions.tolist()):
+        freqs = long if position >= 700 else short
+        expected_cos, expected_sin = _rope_fp32(torch.tensor([position]), freqs, scale)
+        assert torch.equal(cos[row], expected_cos[0]) and torch.equal(sin[row], expected_sin[0])

@@ -81,6 +81,9 @@ class _Layer(ctypes.Structure):
         ("o_bias", ctypes.c_void_p),  # [d] or NULL
         ("q_norm", ctypes.c_void_p),  # [D] or NULL: every q head's RMSNorm (Qwen3)
         ("k_norm", ctypes.c_void_p),  # [D] or NULL: every k head's
+        ("attn_out_norm", ctypes.c_void_p),  # [d] or NULL: attention's output normed (OLMo 2)
+        ("mlp_out_norm", ctypes.c_void_p),  # [d] or NULL: the MLP's
+        ("qk_norm_whole", ctypes.c_int32),  # 1: q_norm, k_norm span the projections (OLMo 2)
     ]
 
 
@@ -149,8 +152,11 @@ _KINDS = {
 }
 
 
-# a layer's optional tensors (stages/layer_spec.py), in _Layer's order
-_EXTRAS = ("qkv_bias", "o_bias", "q_norm", "k_norm")
+# a layer's norm weights and optional tensors (stages/layer_spec.py); None where it lacks one
+_EXTRAS = (
+    "input_norm", "post_attn_norm", "qkv_bias", "o_bias", "q_norm", "k_norm", "attn_out_norm",
+    "mlp_out_norm",
+)  # fmt: skip
 
 
 def _projections(layer: LayerWeights) -> tuple[nn.Module, ...]:
@@ -196,15 +202,16 @@ class FusedLayers:
         self._matmuls = kernels.layer_matmuls
         self.dtype = dtype
         first = layers[0]
-        self.hidden = first.input_norm.shape[0]
+        self.hidden = first.qkv_proj.in_features
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
         self.intermediate = first.down_proj.in_features
+        self.scale = first.attention_scale
         layer_structs = [
             _Layer(
                 *four,
-                layer.input_norm.data_ptr(),
-                layer.post_attn_norm.data_ptr(),
+                _address(layer.input_norm),
+                _address(layer.post_attn_norm),
                 layer.eps,
                 self.hidden,
                 self.intermediate,
@@ -216,6 +223,9 @@ class FusedLayers:
                 _address(layer.o_bias),
                 _address(layer.q_norm),
                 _address(layer.k_norm),
+                _address(layer.attn_out_norm),
+                _address(layer.mlp_out_norm),
+                int(layer.qk_norm_whole),
             )
             for layer, four in zip(layers, matrices, strict=True)
         ]
@@ -247,6 +257,8 @@ class FusedLayers:
             return "no CPU kernels"
         if not layers or dtype not in _ELEM_BYTES:
             return f"the kernels' layer stack takes float32 or bfloat16, not {dtype}"
+        if len({layer.attention_scale for layer in layers}) != 1:
+            return "its layers scale attention differently"
         for layer in layers:
             for proj in _projections(layer):
                 if _linear(proj, dtype) is None:
@@ -297,7 +309,7 @@ class FusedLayers:
             paged.q_len.data_ptr(),
             paged.ctx_len.data_ptr(),
             paged.block_table.data_ptr(),
-            self.head_dim**-0.5,
+            self.scale,
             *scratch,
         )
         self.run_at(
@@ -327,7 +339,7 @@ class FusedLayers:
         step = _Step()
         step.elem_bytes, step.num_slots = _ELEM_BYTES[self.dtype], num_slots
         step.max_tokens = max_tokens
-        step.scale = self.head_dim**-0.5
+        step.scale = self.scale
         step.x, step.qkv, step.q, step.attn, step.h, step.gate_up, step.act = scratch
         return step
 

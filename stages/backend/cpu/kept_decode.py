@@ -65,7 +65,10 @@ class CpuDecodeStep:
         self._step = fused.step_struct(kv.num_slots, addresses, self.MAX_ROWS)
         self._step_at = ctypes.addressof(self._step)
         self._kv_at, self._kv_stride = kv_address(kv)
-        self._rope = model.ops.rope_table(model.inv_freq)
+        rotary = model.rotary
+        self._rope = model.ops.rope_table(
+            rotary.inv_freq, rotary.scale, rotary.long_inv_freq, rotary.long_from
+        )
         # Kept rows [MAX_ROWS, d] each: the first stage's embedded tokens (where the kernels
         # look them up), then the last stage's layer outputs h and residual, which its greedy
         # finish reads within the step (a seam leaves in fresh tensors).
@@ -106,6 +109,12 @@ class CpuDecodeStep:
         is wrong."""
         n = len(chunks)
         if not 0 < n <= self.MAX_ROWS or any(len(chunk.token_ids) != 1 for chunk in chunks):
+            return False
+        # its rotary table turns long by position (blocks.py Rotary): as every decode does
+        long_from = self.model.rotary.long_from
+        if self.model.rotary.long_inv_freq is not None and any(
+            chunk.rope_long != (chunk.start_pos >= long_from) for chunk in chunks
+        ):
             return False
         if self.is_first_stage:
             return hidden_states is None and residual is None

@@ -122,6 +122,8 @@ class NativeKernels(MatmulKernels):
         ]  # fmt: skip
         lib.ppr_add_bias.restype = ctypes.c_int
         lib.ppr_add_bias.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
+        lib.ppr_add.restype = ctypes.c_int
+        lib.ppr_add.argtypes = [ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int]
         lib.ppr_rms_norm_heads.restype = ctypes.c_int
         lib.ppr_rms_norm_heads.argtypes = [ctypes.c_int, _vp, ctypes.c_int64] + [ctypes.c_int] * 3
         lib.ppr_rms_norm_heads.argtypes += [_vp, ctypes.c_float, ctypes.c_int]
@@ -393,6 +395,27 @@ class NativeKernels(MatmulKernels):
             if status != 0:
                 raise RuntimeError(f"add_bias refused {y.dtype}")
         return y
+
+    def add(
+        self, h: torch.Tensor, residual: torch.Tensor | None, h_is_scratch: bool = False
+    ) -> torch.Tensor:
+        """h + residual [T, d] contiguous (h itself where residual is None), bf16 rounded once
+        as torch's add; written over h where h_is_scratch, else into a new tensor."""
+        if residual is None:
+            return h
+        _check(h, h)
+        _check(residual, h)
+        if h.dim() != 2 or residual.shape != h.shape:
+            raise ValueError(f"add takes h and residual [T, d] alike, got {tuple(h.shape)} and "
+                             f"{tuple(residual.shape)}")  # fmt: skip
+        out = h if h_is_scratch else torch.empty_like(h)
+        status = self._lib.ppr_add(
+            _ELEM_BYTES[h.dtype], h.data_ptr(), residual.data_ptr(), out.data_ptr(), *h.shape
+        )
+        check_status(status, "add", h.shape[0])
+        if status != 0:
+            raise RuntimeError(f"add refused {h.dtype}")
+        return out
 
     def rms_norm_heads(
         self,

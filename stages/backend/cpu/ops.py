@@ -25,7 +25,7 @@ class NativeOps:
         self.silu_mul = kernels.silu_mul
         self.row_argmax = kernels.row_argmax
         self._kernels = kernels
-        self._rope: RopeTable | None = None
+        self._ropes: dict[tuple[int, ...], RopeTable] = {}  # rope_table's, by what makes them
         self.prefill = prefill
 
     @classmethod
@@ -50,7 +50,7 @@ class NativeOps:
         )
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
     ) -> torch.Tensor:
         """TorchOps.attention, reading K and V in place a 16-slot page at a time (on a stage
         with the kernels every forward's inputs carry the paged metadata: stages/inputs.py);
@@ -58,11 +58,16 @@ class NativeOps:
         paged = inputs.paged
         assert paged is not None
         if self.prefill is not None and self.prefill.takes(paged):
-            return self.prefill(q, kv_layer, paged, q.shape[-1] ** -0.5)
+            return self.prefill(q, kv_layer, paged, scale)
         return self._kernels.paged_attention(
-            q, kv_layer, paged.q_start, paged.q_len, paged.ctx_len, paged.block_table,
-            q.shape[-1] ** -0.5,
-        )  # fmt: skip
+            q, kv_layer, paged.q_start, paged.q_len, paged.ctx_len, paged.block_table, scale
+        )
+
+    def add(
+        self, h: torch.Tensor, residual: torch.Tensor | None, h_is_scratch: bool = False
+    ) -> torch.Tensor:
+        """TorchOps.add in one kernel call (the same bits: the sum rounded once)."""
+        return self._kernels.add(h, residual, h_is_scratch)
 
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """TorchOps.add_bias in one kernel call (the same bits)."""
@@ -86,18 +91,28 @@ class NativeOps:
         inv_freq: torch.Tensor,
         dtype: torch.dtype,
         max_position: int | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, d] fp32; the kernel rounds them to the dtype where it must.
-        With `max_position` (the largest of `positions`), rows of a table kept across steps."""
+        """cos, signed sin [T, d] fp32 (times `scale` [d/2] where given); the kernel rounds them
+        to the dtype where it must. With `max_position` (the largest of `positions`), rows of a
+        table kept across steps."""
         if max_position is None:
-            return _rope_fp32(positions, inv_freq)
-        return self.rope_table(inv_freq).rows(positions, max_position)
+            return _rope_fp32(positions, inv_freq, scale)
+        return self.rope_table(inv_freq, scale).rows(positions, max_position)
 
-    def rope_table(self, inv_freq: torch.Tensor) -> RopeTable:
-        """The table kept across steps for `inv_freq` (the stage's one)."""
-        if self._rope is None or self._rope.inv_freq is not inv_freq:
-            self._rope = RopeTable(inv_freq)
-        return self._rope
+    def rope_table(
+        self,
+        inv_freq: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        long_inv_freq: torch.Tensor | None = None,
+        long_from: int = 0,
+    ) -> RopeTable:
+        """The table kept across steps for these frequencies (a stage has one or two)."""
+        key = (id(inv_freq), id(scale), id(long_inv_freq), long_from)
+        table = self._ropes.get(key)
+        if table is None:
+            table = self._ropes[key] = RopeTable(inv_freq, scale, long_inv_freq, long_from)
+        return table
 
 
 class RopeTable:
@@ -108,13 +123,32 @@ class RopeTable:
     Why: a single stream's decode step computed its one row of each with seven torch ops, and
     between the kernels' weight streams every op runs with the interpreter out of cache: 140 us
     a step on the 2-core Zen 4, against 11 us when timed alone. Two index_selects replace them.
-    The table costs 2 x 4 x d bytes a position: 4 MiB at SmolLM2's 8192."""
+    The table costs 2 x 4 x d bytes a position: 4 MiB at SmolLM2's 8192.
+
+    With `long_inv_freq` (LongRoPE), the rows from `long_from` on are of those frequencies:
+    what a decode step of a sequence that far along takes (stages/models/blocks.py Rotary)."""
 
     MIN_POSITIONS = 1024
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
+    def __init__(
+        self,
+        inv_freq: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        long_inv_freq: torch.Tensor | None = None,
+        long_from: int = 0,
+    ) -> None:
         self.inv_freq = inv_freq  # [d/2] fp32
-        self.cos, self.sin = _rope_fp32(torch.arange(self.MIN_POSITIONS), inv_freq)
+        self.scale = scale  # [d/2] fp32 or None
+        self.long_inv_freq, self.long_from = long_inv_freq, long_from
+        self.cos, self.sin = self._rows(self.MIN_POSITIONS)
+
+    def _rows(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = _rope_fp32(torch.arange(size), self.inv_freq, self.scale)
+        if self.long_inv_freq is not None and size > self.long_from:
+            cos[self.long_from :], sin[self.long_from :] = _rope_fp32(
+                torch.arange(self.long_from, size), self.long_inv_freq, self.scale
+            )
+        return cos, sin
 
     def rows(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long, none above max_position -> cos, signed sin [T, d] fp32."""
@@ -128,5 +162,5 @@ class RopeTable:
         if max_position >= size:
             while size <= max_position:
                 size *= 2
-            self.cos, self.sin = _rope_fp32(torch.arange(size), self.inv_freq)
+            self.cos, self.sin = self._rows(size)
         return self.cos, self.sin

@@ -16,13 +16,13 @@ class CudaOps(TorchOps):
     name = "cuda"
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
     ) -> torch.Tensor:
         paged = inputs.paged
         if paged is None:
-            return super().attention(q, kv_layer, inputs)
+            return super().attention(q, kv_layer, inputs, scale)
         if paged.max_q_len != 1:
             raise ValueError("the GPU's paged attention takes decode-only batches")
         return triton_attention.paged_decode(
-            q, kv_layer, paged.block_table, paged.ctx_len, q.shape[-1] ** -0.5, paged.num_splits
+            q, kv_layer, paged.block_table, paged.ctx_len, scale, paged.num_splits
         )

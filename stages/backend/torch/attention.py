@@ -26,14 +26,14 @@ from stages.inputs import ForwardInputs
 
 
 def gather_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+    q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
 ) -> torch.Tensor:
     """q: [T, h, d] (rotary applied); kv_layer: [2, slots, h_kv, d], this layer's K and V with
-    this forward's tokens already written. Returns [T, h, d]."""
+    this forward's tokens already written; scores scaled by `scale`. Returns [T, h, d]."""
     groups = inputs.decode_groups
     if not inputs.prefills and len(groups) == 1 and groups[0].rows is None:
         # Pure decode batch of similar lengths: one call, no scatter.
-        return _decode(q, kv_layer, groups[0].key_slots, groups[0].key_len, groups[0].mask)
+        return _decode(q, kv_layer, groups[0].key_slots, groups[0].key_len, groups[0].mask, scale)
 
     out = torch.empty_like(q)
     for p in inputs.prefills:
@@ -46,12 +46,13 @@ def gather_attention(
             v,
             attn_mask=p.mask,
             is_causal=p.mask is None,
+            scale=scale,
             enable_gqa=True,
         )  # [1, h, n, d]
         out[p.row_start : p.row_end] = o[0].transpose(0, 1)
     for g in groups:
         q_g = q if g.rows is None else q.index_select(0, g.rows)  # [n, h, d]
-        o_g = _decode(q_g, kv_layer, g.key_slots, g.key_len, g.mask)
+        o_g = _decode(q_g, kv_layer, g.key_slots, g.key_len, g.mask, scale)
         if g.rows is None:
             out.copy_(o_g)
         else:
@@ -65,10 +66,13 @@ def _decode(
     key_slots: torch.Tensor,
     key_len: int,
     mask: torch.Tensor | None,
+    scale: float,
 ) -> torch.Tensor:
     """One query per sequence: q [n, h, d] against n contexts padded to key_len -> [n, h, d]."""
     n = q.shape[0]
     kv = kv_layer.index_select(1, key_slots)  # [2, n * L, h_kv, d]
     k, v = kv.view(2, n, key_len, *kv.shape[2:]).transpose(2, 3)  # each [n, h_kv, L, d]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return o.squeeze(2)  # [n, h, 1, d] -> [n, h, d]

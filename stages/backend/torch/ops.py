@@ -29,10 +29,12 @@ class TorchOps:
         inv_freq: torch.Tensor,
         dtype: torch.dtype,
         max_position: int | None = None,
+        scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, d] in the stage dtype (the 1 broadcasts over heads).
+        """cos, signed sin [T, 1, d] in the stage dtype (the 1 broadcasts over heads), each
+        multiplied by `scale` [d/2] fp32 where given (LongRoPE's attention factor).
         `max_position` is unused here (NativeOps reads its table with it)."""
-        cos, sin = _rope_fp32(positions, inv_freq)
+        cos, sin = _rope_fp32(positions, inv_freq, scale)
         return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
     def add_rms_norm(
@@ -97,12 +99,21 @@ class TorchOps:
         """[N, V] -> [N]: each row's first maximal index, NaN the largest (sampler.row_argmax)."""
         return row_argmax(logits)
 
+    def add(
+        self, h: torch.Tensor, residual: torch.Tensor | None, h_is_scratch: bool = False
+    ) -> torch.Tensor:
+        """h + residual [T, d] (h itself where residual is None), written over h where h is
+        this step's own temporary: the residual stream of a layer that does not norm it."""
+        if residual is None:
+            return h
+        return h.add_(residual) if h_is_scratch else h + residual
+
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs
+        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
     ) -> torch.Tensor:
         """q [T, h, d] (rotary applied), kv_layer [2, slots, h_kv, d] with this forward's
-        tokens written -> [T, h, d]."""
-        return gather_attention(q, kv_layer, inputs)
+        tokens written -> [T, h, d]; scores scaled by `scale` (1/sqrt(d) but for Granite)."""
+        return gather_attention(q, kv_layer, inputs, scale)
 
     def long_chunks(self, inputs: ForwardInputs) -> bool:
         """(torch's ops have no compiled layers to leave)"""
@@ -132,11 +143,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 def _rope_fp32(
-    positions: torch.Tensor, inv_freq: torch.Tensor
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, signed sin [T, d] fp32; the sine's first half is negated."""
+    """positions [T] -> cos, signed sin [T, d] fp32; the sine's first half is negated. With
+    `scale` [d/2], both multiplied by it after (transformers' `attention_scaling`)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-    sin = angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    if scale is not None:
+        both = torch.cat((scale, scale))  # [d]
+        cos, sin = cos * both, sin * both
     sin[:, : freqs.shape[-1]].neg_()
-    return angles.cos(), sin
+    return cos, sin

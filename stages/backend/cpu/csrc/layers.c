@@ -82,6 +82,12 @@ static __attribute__((noinline)) void qkv_bias_norm_rows(const ppr_layer_t *L, i
     for (int t = 0; t < T; t++) {
         char *row = (char *)qkv + (int64_t)t * qkv_row * elem_bytes;
         if (L->qkv_bias) add_bias_row(elem_bytes, row, L->qkv_bias, (int)qkv_row);
+        if (L->qk_norm_whole) { /* one "head" of H D, then one of Hkv D (Hkv divides H) */
+            if (L->q_norm) rms_norm_heads_row(elem_bytes, row, 0, 1, H * D, L->q_norm, L->eps);
+            if (L->k_norm)
+                rms_norm_heads_row(elem_bytes, row, H / Hkv, 1, Hkv * D, L->k_norm, L->eps);
+            continue;
+        }
         if (L->q_norm) rms_norm_heads_row(elem_bytes, row, 0, H, D, L->q_norm, L->eps);
         if (L->k_norm) rms_norm_heads_row(elem_bytes, row, H, Hkv, D, L->k_norm, L->eps);
     }
@@ -99,11 +105,17 @@ static inline int qkv_bias_norm(const ppr_layer_t *L) {
 static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const void *h_in,
                              const void *residual_in, void *residual_out, void *kv,
                              void *h_out) {
-    const int T = s->num_tokens, eb = s->elem_bytes, D = L->head_dim;
+    const int T = s->num_tokens, eb = s->elem_bytes, D = L->head_dim, d = L->hidden;
     const int64_t qkv_row = (int64_t)(L->num_heads + 2 * L->num_kv_heads) * D;
-    ppr_add_rms_norm(eb, h_in, residual_in, L->input_norm, residual_out, s->x, T, L->hidden,
-                     L->eps);
-    if (run_linear(&L->qkv, eb, s->x, s->qkv, T)) return -1;
+    /* what attention reads: the normed stream, or (no input norm) the stream itself */
+    const void *attn_in = residual_out;
+    if (L->input_norm) {
+        ppr_add_rms_norm(eb, h_in, residual_in, L->input_norm, residual_out, s->x, T, d, L->eps);
+        attn_in = s->x;
+    } else if (ppr_add(eb, h_in, residual_in, residual_out, T, d)) {
+        return -1;
+    }
+    if (run_linear(&L->qkv, eb, attn_in, s->qkv, T)) return -1;
     if (qkv_bias_norm(L)) {
 #pragma omp parallel if (T >= 8)
         qkv_bias_norm_rows(L, eb, s->qkv, qkv_row, T);
@@ -115,13 +127,24 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
                         L->num_kv_heads, D, s->scale))
         return -1;
     if (run_linear(&L->o, eb, s->attn, s->h, T)) return -1;
-    if (L->o_bias) ppr_add_bias(eb, s->h, L->hidden, L->o_bias, T, L->hidden);
-    ppr_add_rms_norm(eb, s->h, residual_out, L->post_attn_norm, residual_out, s->x, T, L->hidden,
-                     L->eps);
-    if (run_linear(&L->gate_up, eb, s->x, s->gate_up, T)) return -1;
+    if (L->o_bias) ppr_add_bias(eb, s->h, d, L->o_bias, T, d);
+    if (L->attn_out_norm) /* in place: add_rms_norm_row allows x_out == h */
+        ppr_add_rms_norm(eb, s->h, NULL, L->attn_out_norm, s->h, s->h, T, d, L->eps);
+    const void *mlp_in = residual_out;
+    if (L->post_attn_norm) {
+        ppr_add_rms_norm(eb, s->h, residual_out, L->post_attn_norm, residual_out, s->x, T, d,
+                         L->eps);
+        mlp_in = s->x;
+    } else if (ppr_add(eb, s->h, residual_out, residual_out, T, d)) {
+        return -1;
+    }
+    if (run_linear(&L->gate_up, eb, mlp_in, s->gate_up, T)) return -1;
     ppr_silu_mul(eb, s->gate_up, (const char *)s->gate_up + (int64_t)L->intermediate * eb,
                  2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
-    return run_linear(&L->down, eb, s->act, h_out, T);
+    if (run_linear(&L->down, eb, s->act, h_out, T)) return -1;
+    if (L->mlp_out_norm) ppr_add_rms_norm(eb, h_out, NULL, L->mlp_out_norm, h_out, h_out, T, d,
+                                          L->eps);
+    return 0;
 }
 
 #ifdef HAVE_A8_DOT
@@ -171,6 +194,10 @@ static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *
             return 0;
         if (L->num_heads != layers[0].num_heads || L->num_kv_heads != layers[0].num_kv_heads ||
             L->head_dim != layers[0].head_dim)
+            return 0;
+        /* the team's loops are Llama's norms (the default model's); others take the calls */
+        if (!L->input_norm || !L->post_attn_norm || L->attn_out_norm || L->mlp_out_norm ||
+            L->qk_norm_whole)
             return 0;
         if (L->qkv.k != L->hidden || L->gate_up.k != L->hidden || L->down.k != L->intermediate ||
             L->gate_up.n != 2 * L->intermediate || L->o.k != L->num_heads * L->head_dim)
@@ -379,6 +406,8 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_layer_t, num_kv_heads), offsetof(ppr_layer_t, head_dim),
         offsetof(ppr_layer_t, qkv_bias),     offsetof(ppr_layer_t, o_bias),
         offsetof(ppr_layer_t, q_norm),       offsetof(ppr_layer_t, k_norm),
+        offsetof(ppr_layer_t, attn_out_norm), offsetof(ppr_layer_t, mlp_out_norm),
+        offsetof(ppr_layer_t, qk_norm_whole),
     };
     static const int64_t step[] = {
         offsetof(ppr_step_t, elem_bytes),   offsetof(ppr_step_t, num_tokens),

@@ -237,6 +237,32 @@ int ppr_add_bias(int elem_bytes, void *y, int64_t row_stride, const void *bias, 
     return 0;
 }
 
+/* out = h + residual over rows [T, d] (h copied where residual is NULL); out may be h or
+ * residual itself. The residual stream of a layer that reads it un-normed (OLMo 2): bf16 sums
+ * rounded once, as torch's bf16 add (bit for bit). Returns 0; PPR_REFUSED for an elem_bytes
+ * other than 4 or 2; PPR_BAD_ROWS for a negative T or d. */
+int ppr_add(int elem_bytes, const void *h, const void *residual, void *out, int T, int d) {
+    if (elem_bytes != 4 && elem_bytes != 2) return PPR_REFUSED;
+    if (T < 0 || d < 0) return PPR_BAD_ROWS;
+    const int64_t n = (int64_t)T * d;
+    if (!residual) {
+        if (out != h) memmove(out, h, (size_t)n * elem_bytes);
+        return 0;
+    }
+    if (elem_bytes == 4) {
+        const float *a = h, *b = residual;
+        float *o = out;
+#pragma omp parallel for simd if (T >= 8) schedule(static)
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+    } else {
+        const uint16_t *a = h, *b = residual;
+        uint16_t *o = out;
+#pragma omp parallel for if (T >= 8) schedule(static)
+        for (int64_t i = 0; i < n; i++) o[i] = bf16_store(bf16_load(a[i]) + bf16_load(b[i]));
+    }
+    return 0;
+}
+
 /* ppr_rms_norm_heads' rows, shared by the team this runs in (orphaned) */
 static void rms_norm_heads_rows(int elem_bytes, void *x, int64_t row_stride, int first_head,
                                 int num_heads, int D, const void *weight, float eps, int T) {

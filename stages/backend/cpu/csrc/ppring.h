@@ -144,7 +144,9 @@ typedef struct {
 
 /* What a layer holds: its four matrices, two norm weights [d] and its shape; then what some
  * families add (NULL where a layer has none). In a layer: norm, qkv matmul, qkv bias, q/k
- * norms, rope_store, attention, o matmul, o bias, norm, the MLP. */
+ * norms, rope_store, attention, o matmul, o bias, [attn_out_norm], norm, the MLP,
+ * [mlp_out_norm]. A NULL input_norm or post_attn_norm (OLMo 2) means that attention or the MLP
+ * reads the residual stream itself: the add alone. */
 typedef struct {
     ppr_linear_t qkv, o, gate_up, down;
     const void *input_norm, *post_attn_norm;
@@ -156,6 +158,12 @@ typedef struct {
     /* [D] each, or NULL: an RMSNorm of every q head and every k head (eps = the layer's eps),
      * before the rotary (Qwen3) */
     const void *q_norm, *k_norm;
+    /* [d] each, or NULL: the RMSNorm of attention's output (after the o bias) and of the MLP's
+     * before they join the residual stream (OLMo 2) */
+    const void *attn_out_norm, *mlp_out_norm;
+    /* 1: q_norm [H D] and k_norm [Hkv D] norm the whole q and k projections (OLMo 2); 0: every
+     * head, with weights [D] (Qwen3) */
+    int32_t qk_norm_whole;
 } ppr_layer_t;
 
 /* What one forward shares across its layers: T rows, the rotary tables (cos and sin [T, D],
@@ -723,6 +731,7 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
                   int I);
 void ppr_row_argmax(int elem_bytes, const void *x, int64_t stride, int64_t *out, int N, int V);
 int ppr_add_bias(int elem_bytes, void *y, int64_t row_stride, const void *bias, int T, int N);
+int ppr_add(int elem_bytes, const void *h, const void *residual, void *out, int T, int d);
 
 /* the matmuls (layers.c run_linear) */
 void ppr_linear_f32(const float *x, const float *panels, float *y, int M, int N, int K);
