@@ -39,7 +39,8 @@ test: lint
 ASAN_TESTS := tests/stages/test_native.py tests/stages/test_native_bounds.py \
 	tests/stages/test_fused_layer.py tests/stages/test_cpu_decode.py tests/stages/test_grid.py \
 	tests/stages/test_grid_a8.py tests/stages/test_grid_bf16.py tests/stages/test_native_heads.py \
-	tests/stages/test_amx.py tests/stages/test_prefill_attention.py tests/stages/test_families.py
+	tests/stages/test_amx.py tests/stages/test_prefill_attention.py tests/stages/test_families.py \
+	tests/stages/test_attention_window.py
 test-asan: setup
 	PPRING_SANITIZE=1 PPRING_CACHE=$(CURDIR)/$(VENV)/asan-cache \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \

@@ -65,6 +65,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         eos_token_ids=tuple(model.eos_token_ids),
         config_hash=model.config_hash,
         rope_long_from=model.rope_long_from,
+        kv_window=model.kv_window,
     )
     return stage, info
 

@@ -56,6 +56,9 @@ class ModelInfo:
     # LongRoPE: a sequence longer than this turns at the long factors (ring/scheduler.py);
     # None for every other model
     rope_long_from: int | None = None
+    # Where every layer has a sliding window, the longest (stages/config.py kv_window): blocks
+    # behind it go back to the pool; None: every block a sequence fills stays held
+    kv_window: int | None = None
 
 
 # At most this long for the stages before this one to allocate their KV cache at start-up (or

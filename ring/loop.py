@@ -115,6 +115,7 @@ class StageLoop:
             self.model.context_length,
             self.model.eos_token_ids,
             rope_long_from=self.model.rope_long_from,
+            kv_window=self.model.kv_window,
         )
         logger.info(
             "%s ring ready: %d KV blocks agreed, %d slots, prefix cache %s",

@@ -25,6 +25,9 @@ class Req:
     state: ReqState = ReqState.WAITING
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
+    # the first this many of block_ids are behind every layer's window: given back to the pool
+    # (ring/scheduler.py `_commit`), named in the table still but never read
+    num_window_released: int = 0
     num_computed: int = 0  # tokens whose KV is in the cache
     # The step whose batch samples its next token, while that output is in flight: the output
     # of any other step (it was retracted, or finished by an abort, meanwhile) is not its own.

@@ -126,6 +126,7 @@ class SchedulerStats:
     max_running_requests: int = 0  # the most requests admitted at once
     num_retractions: int = 0
     num_rope_recomputes: int = 0  # LongRoPE sequences computed again at the long factors
+    max_held_blocks: int = 0  # the most KV blocks requests held at once, after a decision
     num_continued_chunks: int = 0  # prefill chunks run in another slot's batch
     num_batches: int = 0
     num_empty_batches: int = 0
@@ -145,6 +146,9 @@ class Scheduler:
     # LongRoPE (ModelInfo.rope_long_from): a sequence longer than this is computed at the long
     # factors, all of it; None for every other model
     rope_long_from: int | None = None
+    # ModelInfo.kv_window: where every layer sees only the last this many positions, the blocks
+    # behind them go back to the pool as a sequence advances; None: every block stays held
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         self.pool = PrefixCache(self.num_kv_blocks)
@@ -205,6 +209,8 @@ class Scheduler:
         for block, key in self._filled:
             self.pool.commit(block, key)
         self._filled.clear()
+        held = self.pool.num_blocks - self.pool.num_available
+        self.stats.max_held_blocks = max(self.stats.max_held_blocks, held)
         batch = Batch(slot, step, entries, batch_digest(slot, step, entries))
         for req in batch.sampled:
             req.sample_step = step
@@ -295,13 +301,22 @@ class Scheduler:
                 f"tokens, beyond the context length {self.context_length}: shorten the prompt "
                 f"or lower max_new_tokens"
             )
-        if blocks_needed(total) > self.num_kv_blocks:
+        most = self._most_blocks(total)
+        if most > self.num_kv_blocks:
             return (
-                f"the prompt plus max_new_tokens needs {blocks_needed(total)} KV blocks but the "
+                f"the prompt plus max_new_tokens needs {most} KV blocks but the "
                 f"whole pool has {self.num_kv_blocks}: lower max_new_tokens or give the KV "
                 f"cache more memory"
             )
         return ""
+
+    def _most_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once: all of them, or with a
+        window its last window's and a prefill chunk's (and the block each starts inside)."""
+        if self.kv_window is None:
+            return blocks_needed(num_tokens)
+        held = blocks_needed(self.kv_window + self.cfg.chunked_prefill_size) + 1
+        return min(blocks_needed(num_tokens), held)
 
     def _finish_reason(self, req: Req, token_id: int) -> str | None:
         sampling = req.sampling
@@ -391,7 +406,9 @@ class Scheduler:
                     budget -= num_tokens
                     plan.append((req, num_tokens))
             need = sum(
-                blocks_needed(req.num_computed + n) - len(req.block_ids) for req, n in plan if n
+                blocks_needed(req.num_computed + n) - len(req.block_ids) - self._behind_window(req)
+                for req, n in plan
+                if n
             )
             if need <= self.pool.num_available or not reqs:
                 break
@@ -518,9 +535,26 @@ class Scheduler:
         req.rope_long = True
         self.stats.num_rope_recomputes += 1
 
+    def _behind_window(self, req: Req) -> int:
+        """How many more of `req`'s blocks lie wholly behind what its next query sees (every
+        layer's window): keys before position num_computed - window + 1."""
+        if self.kv_window is None:
+            return 0
+        dead = max(0, req.num_computed - self.kv_window + 1) // BLOCK_SIZE
+        return max(0, dead - req.num_window_released)
+
     def _commit(self, req: Req, num_tokens: int, admitted: bool = False) -> BatchEntry:
         """Allocate the blocks `num_tokens` more tokens need and advance the request; the
-        blocks it fills are cached at the end of this decision."""
+        blocks it fills are cached at the end of this decision. Where every layer has a window,
+        the blocks no query of it will see again go back to the pool first (full blocks, so
+        they stay cached, matchable by another sequence; their ids stay in the request's table,
+        where no stage reads them: csrc/attention_window.c). Steps run in order on every stage,
+        so a block given back here is rewritten only by a later step than any that reads it."""
+        behind = self._behind_window(req)
+        if behind:
+            released = req.num_window_released
+            self.pool.release(req.block_ids[released : released + behind])
+            req.num_window_released = released + behind
         start = req.num_computed
         extra = blocks_needed(start + num_tokens) - len(req.block_ids)
         if extra > 0:
@@ -538,10 +572,12 @@ class Scheduler:
         return BatchEntry(req, chunk, admitted)
 
     def _release(self, req: Req) -> None:
-        """Its blocks go back to the pool: the full ones stay cached until evicted."""
-        self.pool.release(req.block_ids)
+        """Its blocks go back to the pool (those behind its window already have): the full
+        ones stay cached until evicted."""
+        self.pool.release(req.block_ids[req.num_window_released :])
         req.block_ids = []
         req.num_committed_blocks = 0
+        req.num_window_released = 0
 
     def _retract(self, req: Req) -> None:
         self.slots[req.slot].remove(req)

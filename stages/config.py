@@ -67,6 +67,9 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # each layer's sliding window (attention sees the last that many positions), 0 for a layer
+    # that sees all of them; () where no layer has one
+    layer_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -144,6 +147,19 @@ class ModelConfig:
         if scaling is None or scaling.rope_type != "longrope":
             return None
         return scaling.original_max_position_embeddings
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for none."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def kv_window(self) -> int | None:
+        """Where every layer has a window, the longest: the positions behind a sequence's next
+        one that any layer can still see (the scheduler gives the blocks before them back to
+        the pool: ring/scheduler.py). None where some layer sees all."""
+        if not self.layer_windows or not all(self.layer_windows):
+            return None
+        return max(self.layer_windows)
 
     @property
     def attention_scale(self) -> float:

@@ -69,7 +69,13 @@ class Ops(Protocol):
     ) -> torch.Tensor: ...
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        inputs: ForwardInputs,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor: ...
 
     def long_chunks(self, inputs: ForwardInputs) -> bool:
@@ -91,6 +97,8 @@ class LayerWeights(Protocol):
     num_kv_heads: int
     head_dim: int
     attention_scale: float  # what q.k is multiplied by
+    window: int  # > 0: attention sees the last `window` positions; 0: all of them
+    softcap: float  # > 0: scores become softcap tanh(score / softcap); 0: as they are
     input_norm: torch.Tensor | None  # [d]; None: attention reads the stream un-normed
     post_attn_norm: torch.Tensor | None  # [d], before the MLP; None: the MLP reads it so
     qkv_proj: nn.Module  # [(h + 2 h_kv) d_head, d]

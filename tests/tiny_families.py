@@ -19,6 +19,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import (
     GraniteConfig,
     GraniteForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
@@ -114,6 +116,7 @@ def make_tiny_phi3(
     *,
     longrope: bool = False,
     partial_rotary: float = 0.5,
+    window: int | None = None,
     num_layers: int = 4,
     hidden: int = 64,
     heads: int = 4,
@@ -129,7 +132,8 @@ def make_tiny_phi3(
     """Save a random-init fp32 Phi3ForCausalLM (one qkv_proj and one gate_up_proj, a rotary over
     `partial_rotary` of each head) to `path`; `longrope`: LongRoPE with random short and long
     factors and original_max_position_embeddings LONGROPE_ORIGINAL (so cos and sin are scaled by
-    sqrt(1 + ln 8 / ln 64)); `init_std` and `tokenizer` as in make_tiny_qwen2."""
+    sqrt(1 + ln 8 / ln 64)); `window`: every layer sees that many positions (Phi-3-mini-4k's
+    2047); `init_std` and `tokenizer` as in make_tiny_qwen2."""
     rotary_half = int(hidden // heads * partial_rotary) // 2
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if longrope:
@@ -150,9 +154,41 @@ def make_tiny_phi3(
         original_max_position_embeddings=LONGROPE_ORIGINAL if longrope else max_positions,
         max_position_embeddings=max_positions,
         pad_token_id=None,
-        sliding_window=None,
+        sliding_window=window,
     )
     return _save(Phi3ForCausalLM, config, Path(path), seed, tokenizer)
+
+
+TINY_WINDOW = 32  # the windowed folders' sliding window: two KV blocks
+
+
+def make_tiny_mistral(
+    path: str | Path,
+    *,
+    window: int = TINY_WINDOW,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = False,
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 MistralForCausalLM whose every layer sees only the last `window`
+    positions to `path`; options as make_tiny_qwen2's."""
+    config = MistralConfig(
+        **_common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer),
+        initializer_range=init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        max_position_embeddings=max_positions,
+        sliding_window=window,
+        pad_token_id=None,
+    )
+    return _save(MistralForCausalLM, config, Path(path), seed, tokenizer)
 
 
 def make_tiny_olmo2(

@@ -30,6 +30,7 @@ from stages.backend.cpu.ops import NativeOps
 from stages.backend.cuda.ops import CudaOps
 from stages.backend.switches import FUSED_LAYERS_ENV, Switches
 from stages.backend.torch.ops import TorchOps
+from stages.errors import ConfigError
 from stages.interface import LayerWeights, Ops
 
 
@@ -85,7 +86,13 @@ class Backend:
         self, layers: Sequence[LayerWeights], dtype: torch.dtype
     ) -> FusedLayers | None:
         """The stage's layers as one kernel call, or None (the blocks run call by call;
-        `compile_refusal` says why)."""
+        `compile_refusal` says why). One ConfigError for layers this backend cannot run."""
+        if self.name == "cuda" and any(layer.window or layer.softcap for layer in layers):
+            raise ConfigError(
+                "this model's attention has a sliding window or a soft cap, which ppring's GPU "
+                "backend does not run yet (its Triton decode kernel takes neither); serve it on "
+                "the CPU (--device cpu)"
+            )
         if self.compile_refusal(layers, dtype) is not None:
             return None
         return FusedLayers.build(list(layers), self.kernels, dtype)

@@ -141,10 +141,11 @@ class DecoderLayer(nn.Module):
         self,
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
-        prefix: str,
+        layer_index: int,  # in the model
         backend: LayerBackend,
     ) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_index}."
 
         def take(name: str) -> torch.Tensor:
             # pop: the stage module becomes the only owner of its weights
@@ -156,6 +157,8 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.attention_scale = config.attention_scale
+        self.window = config.window_of(layer_index)  # 0: the layer sees every position
+        self.softcap = 0.0  # (> 0: Gemma 2's attention logit soft-capping)
         # Where the norms sit (stages/layer_spec.py `norms`); None where the layer lacks one.
         self.input_norm: nn.Parameter | None = None  # [d], before attention
         self.post_attn_norm: nn.Parameter | None = None  # [d], before the MLP
@@ -255,7 +258,9 @@ class DecoderLayer(nn.Module):
         q = ops.rope_store(
             qkv, cos, sin, inputs.slot_mapping, kv_layer, self.num_heads
         )  # [T, h, d]; this step's K and V are now in the cache
-        o = ops.attention(q, kv_layer, inputs, self.attention_scale)  # [T, h, d]
+        o = ops.attention(
+            q, kv_layer, inputs, self.attention_scale, self.window, self.softcap
+        )  # [T, h, d]
         h = self.o_proj(o.view(num_tokens, -1))  # [T, d]
         if self.o_bias is not None:
             h = ops.add_bias(h, self.o_bias)
@@ -298,7 +303,7 @@ class CausalLMStage(nn.Module):
         self.dtype, self.device = norm.dtype, norm.device
         self.ops = backend.ops
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", backend) for i in range(start, end)
+            DecoderLayer(config, weights, i, backend) for i in range(start, end)
         )
         # On the CPU kernels, every layer in one C call (stages/backend/cpu/fused_layer.py);
         # None: one Python call per op, as DecoderLayer.forward.

@@ -47,17 +47,20 @@ def check_full_attention(raw: dict[str, Any], source: str) -> None:
         )
 
 
-def check_no_window(raw: dict[str, Any], source: str) -> None:
-    """Llama-style configs (Mistral, Phi-3): a window only where `sliding_window` is shorter
-    than the context."""
+def sliding_windows(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Llama-style configs (Mistral, Phi-3): every layer windowed where `sliding_window` is
+    shorter than the context (transformers masks with it whenever it is set), none elsewhere;
+    as ModelConfig fields."""
     window = raw.get("sliding_window")
     max_positions = raw.get("max_position_embeddings")
-    if window is not None and (not isinstance(max_positions, int) or window < max_positions):
-        raise ConfigError(
-            f"{source} uses sliding-window attention (sliding_window={window} < "
-            f"max_position_embeddings={max_positions}), which ppring does not implement; "
-            "serve a model without a sliding window"
-        )
+    if window is None or (isinstance(max_positions, int) and window >= max_positions):
+        return {}
+    layers = raw.get("num_hidden_layers")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{source} sets sliding_window={window!r}; a window is a count > 0")
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        raise ConfigError(f"{source} lacks an integer num_hidden_layers; re-export it")
+    return {"layer_windows": (window,) * layers}
 
 
 def check_no_attention_bias(raw: dict[str, Any], source: str, family: str) -> None:

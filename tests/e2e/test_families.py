@@ -24,6 +24,7 @@ from tests.tiny_families import (
     TOKENIZER_EOS_ID,
     TOKENIZER_VOCAB,
     make_tiny_granite,
+    make_tiny_mistral,
     make_tiny_olmo2,
     make_tiny_phi3,
     make_tiny_qwen2,
@@ -51,6 +52,7 @@ def family_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "phi3-longrope": make_tiny_phi3(root / "phi3", longrope=True, seed=33, **common),
         "olmo2": make_tiny_olmo2(root / "olmo2", seed=36, **common),
         "granite": make_tiny_granite(root / "granite", seed=35, **common),
+        "mistral-window": make_tiny_mistral(root / "mistral", seed=38, **common),
     }
 
 
@@ -96,17 +98,19 @@ def hf_tokens(family_folders: dict[str, Path]) -> dict[str, dict[str, list[int]]
 ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "phi3-longrope": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-    "granite": "GraniteForCausalLM",
+    "granite": "GraniteForCausalLM", "mistral-window": "MistralForCausalLM",
 }  # fmt: skip
 # Qwen2 and Qwen3 at every PP size on the default path and on the general path where stages
 # hand seams on (PP=1 on it is tests/stages/test_families.py's); the later families once each
 # (every path and PP size: tests/stages/test_families.py), Phi-3 with LongRoPE through the
 # general path, where prompts cross its switch at 64 positions as they decode and are computed
-# again at the long factors. 13 rings, each 5-10 s to start and stop on 2 cores.
+# again at the long factors; Mistral with a 32-position window, past which its prompts run.
+# 14 rings, each 5-10 s to start and stop on 2 cores.
 QWEN_RINGS = ((1, "fused"), (2, "fused"), (3, "fused"), (2, "general"), (3, "general"))
 RINGS = [
     *((family, pp_size, path) for family in ("qwen2", "qwen3") for pp_size, path in QWEN_RINGS),
     ("phi3-longrope", 3, "general"), ("olmo2", 2, "fused"), ("granite", 2, "fused"),
+    ("mistral-window", 2, "fused"),
 ]  # fmt: skip
 
 

@@ -238,3 +238,54 @@ def test_chats_behind_a_shared_prompt_reuse_its_kv_and_equal_transformers(
     for i, prompt in enumerate(first):
         assert cached[f"b{i}"] >= len(prompt) // 16 * 16, (i, cached)
     assert cached["b4"] == 32  # two whole blocks of the system prompt, not the cut third
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_a_windowed_model_serves_a_sequence_past_its_pool_with_transformers_tokens(
+    tmp_path_factory, pp_size
+):
+    """A Mistral whose every layer sees its last 32 positions, on an 8-block pool: a sequence
+    of 10 blocks (prompt 40, then 120 tokens: past 4x the window) runs, because the blocks
+    behind the window go back to the pool as it grows, and its tokens are transformers'."""
+    from transformers import MistralForCausalLM
+
+    from tests.tiny_families import TINY_WINDOW, make_tiny_mistral
+
+    folder = make_tiny_mistral(tmp_path_factory.mktemp("window") / "m", seed=95, init_std=0.2)
+    model = MistralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = ModelConfig.from_folder(folder)
+    assert config.kv_window == TINY_WINDOW
+    prompt = [random.Random(6).randrange(3, 256) for _ in range(40)]
+    greedy = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+    expected: list[int] = []
+    with torch.inference_mode():  # plain argmax (an ignore_eos request may pick EOS too)
+        cache = None
+        ids = torch.tensor([prompt])
+        for _ in range(120):
+            out = model(ids, cache=cache, use_cache=True)
+            cache = out.cache
+            (best, second), (token, _) = out.logits[0, -1].topk(2)
+            assert best - second > 1e-3  # no near tie: a token otherwise is ppring's error
+            expected.append(int(token))
+            ids = token.view(1, 1)
+    cfg = RingConfig(pp_size=pp_size, chunked_prefill_size=32)
+    partition = [4 // pp_size] * pp_size
+
+    def make(c: RingConfig) -> StageRunner:
+        start, end = layer_range(partition, c.rank)
+        budget = 8 * bytes_per_block(config, end - start, "float32")
+        return StageRunner(folder, start, end, kv_budget_bytes=budget, rank=c.rank)
+
+    info = ModelInfo(context_length=512, kv_window=config.kv_window)
+    with ThreadRing(cfg, make, info, f"window{pp_size}") as ring:
+        ring.driver.submit_many([("w", prompt, greedy)])
+        ring.driver.wait_finished(["w"], timeout_s=90)
+        got = ring.driver.tokens["w"]
+        assert ring.loops[0].scheduler.num_kv_blocks == 8
+        assert ring.stop() == {r: 0 for r in range(pp_size)}
+        stats = [loop.scheduler.stats for loop in ring.loops]
+        whole = [loop.scheduler.pool.is_whole() for loop in ring.loops]
+    assert got == expected
+    # the window's two blocks, a 32-token chunk's two, and the block each starts inside
+    assert all(s.max_held_blocks <= 5 for s in stats) and all(whole)

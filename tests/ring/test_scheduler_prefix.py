@@ -212,3 +212,46 @@ def test_without_longrope_no_chunk_is_long():
     sched.apply_reqs(Reqs(0, 0, new=[new("a", list(range(200)), max_new=3)]))
     batch, _ = sched.decide(0, 0)
     assert not batch.entries[0].chunk.rope_long
+
+
+# --- sliding windows: the blocks behind every layer's window go back to the pool --------------
+
+WINDOW = 2 * BLOCK_SIZE
+
+
+def test_a_windowed_sequence_holds_a_bounded_number_of_blocks_as_it_grows():
+    """One sequence of a model whose every layer sees its last 32 positions, grown to 10x its
+    window by prefill chunks and then decodes: it never holds more than the window's blocks and
+    a chunk's; what it gives back is cached (a later prompt with its start finds it), and at
+    the end the pool is whole."""
+    cfg = RingConfig(chunked_prefill_size=BLOCK_SIZE)
+    sched = Scheduler(cfg, num_kv_blocks=40, context_length=1000, kv_window=WINDOW)
+    prompt = list(range(4 * WINDOW + 5))
+    sched.apply_reqs(Reqs(0, 0, new=[new("a", prompt, max_new=6 * WINDOW)]))
+    step, held, tables = 0, [], []
+    while sched.has_work:
+        batch, _ = sched.decide(0, step)
+        tables += [list(e.chunk.block_ids) for e in batch.entries]
+        held.append(sched.pool.num_blocks - sched.pool.num_available)
+        sched.apply_output(Output(0, step, batch.digest, token_ids=[7] * len(batch.sampled)))
+        step += 1
+    assert len(tables[-1]) == -(-(10 * WINDOW + 5) // BLOCK_SIZE)  # the table still names all
+    assert max(held) <= WINDOW // BLOCK_SIZE + 2  # the window's blocks, the block it writes
+    assert sched.pool.is_whole()
+    # the given-back blocks stayed cached: a new prompt with the same start finds them
+    sched.apply_reqs(Reqs(0, 1, new=[new("b", prompt + [1], max_new=1)]))
+    batch, _ = sched.decide(0, step)
+    assert batch.entries[0].chunk.start_pos == len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def test_a_windowed_prompt_longer_than_the_pool_is_served_not_refused():
+    cfg = RingConfig(chunked_prefill_size=BLOCK_SIZE)
+    sched = Scheduler(cfg, num_kv_blocks=8, context_length=10_000, kv_window=WINDOW)
+    finished = sched.apply_reqs(Reqs(0, 0, new=[new("a", list(range(40 * BLOCK_SIZE)))]))
+    assert not finished  # 40 blocks of prompt through an 8-block pool
+    run_until_idle(sched)
+    assert sched.pool.is_whole()
+    # without a window the same prompt is refused in one sentence
+    plain = Scheduler(cfg, num_kv_blocks=8, context_length=10_000)
+    (refused,) = plain.apply_reqs(Reqs(0, 0, new=[new("a", list(range(40 * BLOCK_SIZE)))]))
+    assert refused.finish_reason == "error" and "KV blocks" in refused.error

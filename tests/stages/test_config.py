@@ -103,15 +103,24 @@ def test_config_hash_is_stable_and_sensitive(tiny_dirs: dict[str, Path]) -> None
 
 def test_mistral_without_sliding_window_is_accepted(tmp_path: Path) -> None:
     raw = {**LLAMA_V4_CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": None}
-    assert ModelConfig.from_folder(write_config(tmp_path, raw)).architecture == (
-        "MistralForCausalLM"
-    )
+    config = ModelConfig.from_folder(write_config(tmp_path, raw))
+    assert config.architecture == "MistralForCausalLM"
+    assert config.layer_windows == () and config.kv_window is None
 
 
-def test_mistral_with_sliding_window_is_refused(tmp_path: Path) -> None:
-    raw = {**LLAMA_V4_CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
-    with pytest.raises(ConfigError, match="sliding-window"):
-        ModelConfig.from_folder(write_config(tmp_path, raw))
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Phi3ForCausalLM"])
+def test_a_sliding_window_shorter_than_the_context_windows_every_layer(
+    tmp_path: Path, architecture: str
+) -> None:
+    raw = {**LLAMA_V4_CONFIG, "architectures": [architecture], "sliding_window": 4096}
+    config = ModelConfig.from_folder(write_config(tmp_path, raw))
+    assert config.layer_windows == (4096,) * config.num_layers
+    assert config.window_of(3) == 4096 and config.kv_window == 4096
+    raw["sliding_window"] = raw["max_position_embeddings"]  # as long as the context: none
+    assert ModelConfig.from_folder(write_config(tmp_path, raw)).layer_windows == ()
+    raw["architectures"] = ["LlamaForCausalLM"]  # transformers' Llama ignores one
+    raw["sliding_window"] = 4096
+    assert ModelConfig.from_folder(write_config(tmp_path, raw)).layer_windows == ()
 
 
 def test_folder_without_config_names_the_fix(tmp_path: Path) -> None:
@@ -152,10 +161,7 @@ def test_non_llama_model_names_the_fix(tmp_path: Path) -> None:
             {"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0]}},
             "without original_max_position_embeddings",
         ),
-        (
-            {"architectures": ["Phi3ForCausalLM"], "sliding_window": 2047},
-            "sliding_window=2047 < max_position_embeddings",
-        ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
         ({"architectures": ["GraniteForCausalLM"], "logits_scaling": 0}, "logits_scaling=0"),
         ({"architectures": ["Olmo2ForCausalLM"], "attention_bias": True}, "OLMo 2"),
     ],

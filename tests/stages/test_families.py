@@ -40,7 +40,9 @@ from tests.stages.test_parity import random_seqs
 from tests.tiny_families import (
     EOS_TOKEN_ID,
     LONGROPE_ORIGINAL,
+    TINY_WINDOW,
     make_tiny_granite,
+    make_tiny_mistral,
     make_tiny_olmo2,
     make_tiny_phi3,
     make_tiny_qwen2,
@@ -53,18 +55,19 @@ BF16_TOLERANCE = 0.02  # as test_parity's bf16 test: the tiny models' logits are
 GREEDY_INIT_STD = 0.2  # tests/tiny_families.py's init_std for the folders of greedy tests
 MIN_MARGIN = 1e-3  # transformers' greedy path keeps its best logit this far above the next
 
-FAMILIES = ["qwen2", "qwen3", "phi3", "phi3-longrope", "olmo2", "granite"]
+FAMILIES = ["qwen2", "qwen3", "phi3", "phi3-longrope", "olmo2", "granite", "mistral-window"]
 TIED = ["qwen2-tied", "qwen3-tied", "granite-tied"]
 MAKERS = {
     "qwen2": make_tiny_qwen2, "qwen3": make_tiny_qwen3, "phi3": make_tiny_phi3,
     "phi3-longrope": lambda path, **kw: make_tiny_phi3(path, longrope=True, **kw),
     "olmo2": make_tiny_olmo2,
     "granite": lambda path, **kw: make_tiny_granite(path, tied=False, **kw),
+    "mistral-window": make_tiny_mistral,
 }  # fmt: skip
 # (seed, the greedy folder's seed): greedy folders whose prompts below meet no near tie
 SEEDS = {
     "qwen2": (21, 25), "qwen3": (22, 26), "phi3": (41, 45), "phi3-longrope": (51, 58),
-    "olmo2": (61, 65), "granite": (71, 81),
+    "olmo2": (61, 65), "granite": (71, 81), "mistral-window": (91, 95),
 }  # fmt: skip
 PARTITIONS = {"PP1": [4], "PP2": [2, 2], "PP3": [1, 2, 1]}
 
@@ -241,6 +244,8 @@ def test_leaving_out_a_family_feature_moves_the_logits_far_beyond_the_tolerance(
         ("granite", {"attention_multiplier": 0.25}),  # 1/sqrt(head_dim)
         ("granite", {"logits_scaling": 1.0}),
         ("phi3", {"partial_rotary_factor": 1.0}),
+        ("mistral-window", {"sliding_window": None}),
+        ("mistral-window", {"sliding_window": TINY_WINDOW + 1}),  # one more key seen
     ],
 )
 def test_leaving_out_a_family_scalar_moves_the_logits_far_beyond_the_tolerance(
@@ -248,9 +253,9 @@ def test_leaving_out_a_family_scalar_moves_the_logits_far_beyond_the_tolerance(
 ) -> None:
     """As above for what a config sets rather than a weight: Granite's multipliers, Phi-3's
     partial rotary (a stage that turned the whole head could not pass); on the folders of the
-    greedy tests, whose logits are not O(0.1)."""
+    greedy tests, whose logits are not O(0.1). Mistral's window too, and its width to the key."""
     folder = family_dirs[f"{model}-greedy"]
-    seq = random_seqs([24], seed=4)[0]
+    seq = random_seqs([2 * TINY_WINDOW], seed=4)[0]
     expected = hf_logits(folder, seq)
     config = hf_model(folder).config
     if "partial_rotary_factor" in override:

@@ -84,6 +84,8 @@ class _Layer(ctypes.Structure):
         ("attn_out_norm", ctypes.c_void_p),  # [d] or NULL: attention's output normed (OLMo 2)
         ("mlp_out_norm", ctypes.c_void_p),  # [d] or NULL: the MLP's
         ("qk_norm_whole", ctypes.c_int32),  # 1: q_norm, k_norm span the projections (OLMo 2)
+        ("window", ctypes.c_int32),  # > 0: attention sees the last `window` positions
+        ("softcap", ctypes.c_float),  # > 0: scores soft-capped (Gemma 2)
     ]
 
 
@@ -226,6 +228,8 @@ class FusedLayers:
                 _address(layer.attn_out_norm),
                 _address(layer.mlp_out_norm),
                 int(layer.qk_norm_whole),
+                layer.window,
+                layer.softcap,
             )
             for layer, four in zip(layers, matrices, strict=True)
         ]

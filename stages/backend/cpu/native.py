@@ -61,6 +61,12 @@ class NativeKernels(MatmulKernels):
             ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float,
         ]  # fmt: skip
+        lib.ppr_paged_attention_window.restype = ctypes.c_int
+        lib.ppr_paged_attention_window.argtypes = [
+            *lib.ppr_paged_attention.argtypes,
+            ctypes.c_int,
+            ctypes.c_float,
+        ]
         lib.ppr_pack_f32.restype = None
         lib.ppr_pack_f32.argtypes = [_vp, _vp] + [ctypes.c_int] * 2
         lib.ppr_linear_f32.restype = None
@@ -165,11 +171,15 @@ class NativeKernels(MatmulKernels):
         block_table: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [T, h, d] (RoPE applied); kv_layer [2, slots, h_kv, d] with this step's K/V written;
         q_start, q_len, ctx_len [N] int32; block_table [N, max_blocks] int32 covering each
         context. Returns [T, h, d]: each row attends causally to its own sequence's keys. `out`
-        [T, h, d] (like q): written there instead, only the rows of these N sequences."""
+        [T, h, d] (like q): written there instead, only the rows of these N sequences.
+        `window` > 0: a row at position p sees keys (p - window, p] only; `softcap` > 0: scores
+        become softcap tanh(score / softcap) (csrc/attention_window.c, where either is set)."""
         num_tokens, num_heads, head_dim = q.shape
         _, num_slots, num_kv_heads, kv_dim = kv_layer.shape
         if kv_dim != head_dim:
@@ -188,7 +198,12 @@ class NativeKernels(MatmulKernels):
                 raise ValueError("q_start, q_len and ctx_len must be [N] int32 each")
         if block_table.dim() != 2 or block_table.shape[0] != q_start.shape[0]:
             raise ValueError("the block table must be [N, max_blocks], a row a sequence")
-        status = self._lib.ppr_paged_attention(
+        if window < 0 or softcap < 0:
+            raise ValueError(f"a window ({window}) and a soft cap ({softcap}) are >= 0")
+        plain = window == 0 and softcap == 0
+        call = self._lib.ppr_paged_attention if plain else self._lib.ppr_paged_attention_window
+        extra = () if plain else (window, softcap)
+        status = call(
             _ELEM_BYTES[q.dtype],
             q.data_ptr(),
             kv_layer.data_ptr(),
@@ -205,6 +220,7 @@ class NativeKernels(MatmulKernels):
             num_kv_heads,
             head_dim,
             scale,
+            *extra,
         )
         check_status(status, "paged attention", num_tokens, num_slots)
         if status != 0:

@@ -50,13 +50,24 @@ class NativeOps:
         )
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        inputs: ForwardInputs,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """TorchOps.attention, reading K and V in place a 16-slot page at a time (on a stage
         with the kernels every forward's inputs carry the paged metadata: stages/inputs.py);
         a long prefill chunk's on AMX tiles where `prefill` takes it."""
         paged = inputs.paged
         assert paged is not None
+        if window or softcap:  # (csrc/attention_window.c; the tiles take neither)
+            return self._kernels.paged_attention(
+                q, kv_layer, paged.q_start, paged.q_len, paged.ctx_len, paged.block_table,
+                scale, window=window, softcap=softcap,
+            )  # fmt: skip
         if self.prefill is not None and self.prefill.takes(paged):
             return self.prefill(q, kv_layer, paged, scale)
         return self._kernels.paged_attention(

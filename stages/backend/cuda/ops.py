@@ -16,11 +16,19 @@ class CudaOps(TorchOps):
     name = "cuda"
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        inputs: ForwardInputs,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         paged = inputs.paged
         if paged is None:
-            return super().attention(q, kv_layer, inputs, scale)
+            return super().attention(q, kv_layer, inputs, scale, window, softcap)
+        if window or softcap:  # (stages/backend/__init__.py refuses such a model on a GPU)
+            raise ValueError("the GPU's paged attention takes no window and no soft cap")
         if paged.max_q_len != 1:
             raise ValueError("the GPU's paged attention takes decode-only batches")
         return triton_attention.paged_decode(

@@ -109,11 +109,19 @@ class TorchOps:
         return h.add_(residual) if h_is_scratch else h + residual
 
     def attention(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, inputs: ForwardInputs, scale: float
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        inputs: ForwardInputs,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [T, h, d] (rotary applied), kv_layer [2, slots, h_kv, d] with this forward's
-        tokens written -> [T, h, d]; scores scaled by `scale` (1/sqrt(d) but for Granite)."""
-        return gather_attention(q, kv_layer, inputs, scale)
+        tokens written -> [T, h, d]; scores scaled by `scale` (1/sqrt(d) but for Granite and
+        Gemma); `window` > 0: a query sees its last `window` positions only; `softcap` > 0:
+        scores soft-capped (Gemma 2)."""
+        return gather_attention(q, kv_layer, inputs, scale, window, softcap)
 
     def long_chunks(self, inputs: ForwardInputs) -> bool:
         """(torch's ops have no compiled layers to leave)"""

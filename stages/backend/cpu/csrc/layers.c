@@ -122,10 +122,17 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
     }
     rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
                s->num_slots, T, L->num_heads, L->num_kv_heads, D);
-    if (paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len, s->ctx_len,
-                        s->block_table, s->table_stride, s->num_slots, L->num_heads,
-                        L->num_kv_heads, D, s->scale))
+    if (L->window || L->softcap) {
+        if (paged_attention_window(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
+                                   s->ctx_len, s->block_table, s->table_stride, s->num_slots,
+                                   L->num_heads, L->num_kv_heads, D, s->scale, L->window,
+                                   L->softcap))
+            return -1;
+    } else if (paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
+                               s->ctx_len, s->block_table, s->table_stride, s->num_slots,
+                               L->num_heads, L->num_kv_heads, D, s->scale)) {
         return -1;
+    }
     if (run_linear(&L->o, eb, s->attn, s->h, T)) return -1;
     if (L->o_bias) ppr_add_bias(eb, s->h, d, L->o_bias, T, d);
     if (L->attn_out_norm) /* in place: add_rms_norm_row allows x_out == h */
@@ -197,7 +204,7 @@ static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *
             return 0;
         /* the team's loops are Llama's norms (the default model's); others take the calls */
         if (!L->input_norm || !L->post_attn_norm || L->attn_out_norm || L->mlp_out_norm ||
-            L->qk_norm_whole)
+            L->qk_norm_whole || L->window || L->softcap)
             return 0;
         if (L->qkv.k != L->hidden || L->gate_up.k != L->hidden || L->down.k != L->intermediate ||
             L->gate_up.n != 2 * L->intermediate || L->o.k != L->num_heads * L->head_dim)
@@ -407,7 +414,8 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_layer_t, qkv_bias),     offsetof(ppr_layer_t, o_bias),
         offsetof(ppr_layer_t, q_norm),       offsetof(ppr_layer_t, k_norm),
         offsetof(ppr_layer_t, attn_out_norm), offsetof(ppr_layer_t, mlp_out_norm),
-        offsetof(ppr_layer_t, qk_norm_whole),
+        offsetof(ppr_layer_t, qk_norm_whole), offsetof(ppr_layer_t, window),
+        offsetof(ppr_layer_t, softcap),
     };
     static const int64_t step[] = {
         offsetof(ppr_step_t, elem_bytes),   offsetof(ppr_step_t, num_tokens),

@@ -164,6 +164,10 @@ typedef struct {
     /* 1: q_norm [H D] and k_norm [Hkv D] norm the whole q and k projections (OLMo 2); 0: every
      * head, with weights [D] (Qwen3) */
     int32_t qk_norm_whole;
+    /* > 0: attention sees the last `window` positions (attention_window.c); 0: all of them */
+    int32_t window;
+    /* > 0: scores become softcap tanh(score / softcap) before the softmax (Gemma 2); 0: none */
+    float softcap;
 } ppr_layer_t;
 
 /* What one forward shares across its layers: T rows, the rotary tables (cos and sin [T, D],
@@ -711,6 +715,14 @@ PPR_INTERNAL int paged_attention(int elem_bytes, const void *q, const void *kv, 
                                  int num_seqs, const int32_t *q_start, const int32_t *q_len,
                                  const int32_t *ctx_len, const int32_t *table, int table_stride,
                                  int64_t num_slots, int H, int Hkv, int D, float scale);
+
+/* attention_window.c */
+PPR_INTERNAL int paged_attention_window(int elem_bytes, const void *q, const void *kv, void *out,
+                                        int num_seqs, const int32_t *q_start,
+                                        const int32_t *q_len, const int32_t *ctx_len,
+                                        const int32_t *table, int table_stride,
+                                        int64_t num_slots, int H, int Hkv, int D, float scale,
+                                        int window, float softcap);
 
 /* ops.c */
 PPR_INTERNAL void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
