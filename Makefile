@@ -39,13 +39,19 @@ test: lint
 ASAN_TESTS := tests/stages/test_native.py tests/stages/test_native_bounds.py \
 	tests/stages/test_fused_layer.py tests/stages/test_cpu_decode.py tests/stages/test_grid.py \
 	tests/stages/test_grid_a8.py tests/stages/test_grid_bf16.py tests/stages/test_native_heads.py \
-	tests/stages/test_amx.py tests/stages/test_prefill_attention.py tests/stages/test_families.py \
+	tests/stages/test_amx.py tests/stages/test_prefill_attention.py \
 	tests/stages/test_attention_window.py
+# Of the families' tests, the two that run every family's layers fused and call by call (the
+# whole file, most of it transformers' reference, doubled this run).
+ASAN_FAMILY_TESTS := \
+	tests/stages/test_families.py::test_prefill_batch_then_decodes_match_transformers \
+	tests/stages/test_families.py::test_kept_decode_steps_equal_the_general_path_bit_for_bit
 test-asan: setup
 	PPRING_SANITIZE=1 PPRING_CACHE=$(CURDIR)/$(VENV)/asan-cache \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libstdc++.so)" \
-		$(BIN)/pytest -p no:xdist -p no:cacheprovider --capture=sys -q $(ASAN_TESTS)
+		$(BIN)/pytest -p no:xdist -p no:cacheprovider --capture=sys -q $(ASAN_TESTS) \
+		$(ASAN_FAMILY_TESTS)
 
 # The long variants (marked `long`): e.g. a PP=3 ring of the default model losing a stage
 # twice, against transformers. make test runs a short form of each.

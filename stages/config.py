@@ -70,6 +70,15 @@ class ModelConfig:
     # each layer's sliding window (attention sees the last that many positions), 0 for a layer
     # that sees all of them; () where no layer has one
     layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the windowed layers' own rotary (theta, scaling); None: every layer's is the one
+    # above
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    # Gemma: the embedding multiplier rounded to the stage dtype first (transformers makes it a
+    # tensor of the weights' dtype), where Granite's multiplies as a Python float
+    embedding_multiplier_in_dtype: bool = False
+    # Gemma 2: the logits become cap tanh(logits / cap); 0: as they are
+    final_logit_softcap: float = 0.0
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -98,6 +107,7 @@ class ModelConfig:
         max_positions = _get_int(raw, "max_position_embeddings", source)
         layer_spec = family.read_spec(raw, source)
         rope_theta, rope_scaling, partial_rotary = _read_rope(raw, source, int(head_dim))
+        sliding_rope = _read_sliding_rope(raw, source, int(head_dim))
         eos = None
         if generation is not None:
             eos = generation.get("eos_token_id")
@@ -123,6 +133,8 @@ class ModelConfig:
             architecture=architecture,
             layer_spec=layer_spec,
             partial_rotary_factor=partial_rotary,
+            sliding_rope_theta=sliding_rope[0],
+            sliding_rope_scaling=sliding_rope[1],
             **family.read_scalars(raw, source),
         )
 
@@ -194,13 +206,32 @@ def read_config_json(config_path: Path) -> dict[str, Any]:
     return raw
 
 
-def _read_rope(
+def _read_sliding_rope(
     raw: dict[str, Any], source: str, head_dim: int
+) -> tuple[float | None, RopeScaling | None]:
+    """Gemma 3's rotary of its windowed layers: transformers >= 5 writes `rope_parameters`
+    per layer type, older folders `rope_local_base_freq`; (None, None) where there is none."""
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        theta, scaling, _ = _read_rope(raw, source, head_dim, params["sliding_attention"] or {})
+        return theta, scaling
+    if "rope_local_base_freq" in raw:
+        return float(raw["rope_local_base_freq"]), None
+    return None, None
+
+
+def _read_rope(
+    raw: dict[str, Any], source: str, head_dim: int, params: dict[str, Any] | None = None
 ) -> tuple[float, RopeScaling | None, float]:
-    """(theta, scaling, partial_rotary_factor) of a config."""
-    # transformers >= 5 writes `rope_parameters` (theta inside); older folders write
+    """(theta, scaling, partial_rotary_factor) of a config, or of `params` (one layer type's
+    rope_parameters)."""
+    # transformers >= 5 writes `rope_parameters` (theta inside), per layer type where those
+    # differ (Gemma 3: the full-attention layers' are the model's); older folders write
     # `rope_theta` beside an optional `rope_scaling` dict. Accept both.
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if params is None:
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if "full_attention" in params:
+            params = params["full_attention"] or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -85,6 +85,8 @@ class Ops(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -99,6 +101,8 @@ class LayerWeights(Protocol):
     attention_scale: float  # what q.k is multiplied by
     window: int  # > 0: attention sees the last `window` positions; 0: all of them
     softcap: float  # > 0: scores become softcap tanh(score / softcap); 0: as they are
+    activation: str  # the MLP's gate: "silu" or "gelu_tanh"
+    rope_local: bool  # the layer turns at the stage's second rotary (Gemma 3's windowed ones)
     input_norm: torch.Tensor | None  # [d]; None: attention reads the stream un-normed
     post_attn_norm: torch.Tensor | None  # [d], before the MLP; None: the MLP reads it so
     qkv_proj: nn.Module  # [(h + 2 h_kv) d_head, d]
@@ -125,6 +129,7 @@ class CompiledLayers(Protocol):
         sin: torch.Tensor,
         kv: KVCache,
         inputs: ForwardInputs,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -176,6 +181,7 @@ class StageModel(Protocol):
     ops: Ops
     inv_freq: torch.Tensor  # [d_head / 2] fp32
     rotary: RotaryTables  # what the kept decode step reads its rotary rows from
+    sliding_rotary: RotaryTables | None  # the rope_local layers' (Gemma 3), or None
     embed_tokens: torch.Tensor | None
     fused: CompiledLayers | None
     greedy_head: GreedyFinish | None

@@ -15,11 +15,16 @@ Every family here is a pre-norm decoder with RMSNorm, rotate-half RoPE and a Swi
   between the projection and the rotary (Qwen3).
 - `qk_norm_whole`: with qk_norm, one RMSNorm over the whole q projection and one over the whole
   k projection instead (weights [h d_head] and [h_kv d_head]; OLMo 2).
-- `norms`: where a layer's two RMSNorms sit. "pre" (Llama): before attention
+- `norms`: where a layer's RMSNorms sit. "pre" (Llama): before attention
   (`input_layernorm`) and before the MLP (`post_attention_layernorm`), the residual stream
   itself never normed. "post" (OLMo 2): on attention's output (`post_attention_layernorm`) and
   on the MLP's (`post_feedforward_layernorm`) before each is added to the residual stream,
-  which attention and the MLP read un-normed.
+  which attention and the MLP read un-normed. "sandwich" (Gemma 2, 3): four, before and after
+  each (`input_layernorm`, `post_attention_layernorm`, `pre_feedforward_layernorm`,
+  `post_feedforward_layernorm`).
+- `norm_offset`: every RMSNorm multiplies by (1 + weight) (Gemma's), folded at load.
+- `activation`: the MLP's gate, "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU).
+- `attn_softcap`: > 0: attention scores become cap tanh(score / cap) (Gemma 2).
 - `fused_projections`: the checkpoint holds q, k, v as one `qkv_proj` and gate, up as one
   `gate_up_proj` (Phi-3), in the order the layer concatenates them anyway.
 - `residual_multiplier`: attention's and the MLP's outputs are scaled by it before they join the
@@ -37,15 +42,23 @@ class LayerSpec:
     o_bias: bool = False
     qk_norm: bool = False
     qk_norm_whole: bool = False
-    norms: str = "pre"  # "pre" or "post" (above)
+    norms: str = "pre"  # "pre", "post" or "sandwich" (above)
     fused_projections: bool = False
     residual_multiplier: float = 1.0
+    norm_offset: bool = False
+    activation: str = "silu"
+    attn_softcap: float = 0.0
 
     def layer_tensors(self) -> tuple[str, ...]:
         """Checkpoint names inside one decoder layer (relative to `model.layers.{i}.`), in
         Hugging Face's names, which every family here shares."""
         if self.norms == "post":
             names = ["post_attention_layernorm.weight", "post_feedforward_layernorm.weight"]
+        elif self.norms == "sandwich":
+            names = [
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+            ]  # fmt: skip
         else:
             names = ["input_layernorm.weight", "post_attention_layernorm.weight"]
         if self.fused_projections:
@@ -69,7 +82,7 @@ class LayerSpec:
         params += hidden if self.o_bias else 0
         if self.qk_norm:
             params += (q_heads + kv_heads) * head_dim if self.qk_norm_whole else 2 * head_dim
-        return params
+        return params + (2 * hidden if self.norms == "sandwich" else 0)
 
     def extra_flops(self, hidden: int, q_size: int, kv_size: int) -> int:
         """Elementwise work per token the flags add to a layer (stages/partition.py's cost
@@ -85,6 +98,12 @@ class LayerSpec:
             flags[-1] = "qk_norm_whole"
         if self.norms != "pre":
             flags.append(f"{self.norms}_norms")
+        if self.norm_offset:
+            flags.append("norm+1")
+        if self.activation != "silu":
+            flags.append(self.activation)
+        if self.attn_softcap:
+            flags.append(f"softcap {self.attn_softcap:g}")
         if self.residual_multiplier != 1.0:
             flags.append(f"residual*{self.residual_multiplier:g}")
         return "+".join(flags) or "plain"

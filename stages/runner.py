@@ -519,7 +519,7 @@ class StageRunner(Stage):
                     hidden=x, logits=empty, best_logit=best_logit, best_token=best_token
                 )
             x = self.model.final_hidden(step.h, step.residual, step.inputs.sample_rows)  # [N, d]
-            part = self.model.lm_head(x)  # [N, V - cut]
+            part = self.model.cap_logits(self.model.lm_head(x))  # [N, V - cut]
             if not greedy:
                 return LogitsShare(hidden=x, logits=part, best_logit=empty, best_token=empty)
             best = self.model.ops.row_argmax(part)  # [N]: the first of equal maxima, as over all V
@@ -548,7 +548,7 @@ class StageRunner(Stage):
             if share["best_token"].numel() and head is not None:  # plain greedy, in one call
                 tokens = head.join(hidden, share["best_logit"], share["best_token"])
                 return SampleResult(token_ids=tokens.tolist())
-            own = self.model.lm_head(hidden)  # [N, cut]
+            own = self.model.cap_logits(self.model.lm_head(hidden))  # [N, cut]
             if share["best_token"].numel():  # plain greedy: the better of two maxima
                 best_own = self.model.ops.row_argmax(own)  # [N]
                 own_logit = own.gather(1, best_own[:, None]).squeeze(1)

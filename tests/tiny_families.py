@@ -17,6 +17,10 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GraniteConfig,
     GraniteForCausalLM,
     MistralConfig,
@@ -189,6 +193,57 @@ def make_tiny_mistral(
         pad_token_id=None,
     )
     return _save(MistralForCausalLM, config, Path(path), seed, tokenizer)
+
+
+def make_tiny_gemma(
+    path: str | Path,
+    *,
+    version: int = 2,
+    window: int = TINY_WINDOW,
+    num_layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 32,  # heads * head_dim = 128 != hidden, as in Gemma
+    intermediate: int = 128,
+    vocab: int = 256,
+    tied: bool = True,  # as Gemma's
+    max_positions: int = 512,
+    seed: int = 0,
+    init_std: float = 0.02,
+    tokenizer: bool = False,
+) -> Path:
+    """Save a random-init fp32 Gemma2ForCausalLM (`version` 2) or Gemma3ForCausalLM (3) to
+    `path`: windowed layers (`window`) between full ones (Gemma 2: every other from the first;
+    Gemma 3 here: the second full, the rest windowed), query_pre_attn_scalar 24 (not head_dim),
+    Gemma 2's soft caps small enough to bite (attention 2, logits 4), Gemma 3's windowed layers
+    at theta 10^4 and its full ones at 10^6 with linear scaling x8; options as
+    make_tiny_qwen2's."""
+    common = _common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer)
+    shared = dict(
+        **common, initializer_range=init_std, head_dim=head_dim, sliding_window=window,
+        max_position_embeddings=max_positions, query_pre_attn_scalar=24, pad_token_id=None,
+    )  # fmt: skip
+    if version == 2:
+        config = Gemma2Config(
+            **shared,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=4.0,
+        )
+        return _save(Gemma2ForCausalLM, config, Path(path), seed, tokenizer)
+    layer_types = ["sliding_attention"] * num_layers
+    layer_types[1] = "full_attention"
+    config = Gemma3TextConfig(
+        **shared,
+        layer_types=layer_types,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+        },
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    return _save(Gemma3ForCausalLM, config, Path(path), seed, tokenizer)
 
 
 def make_tiny_olmo2(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from stages.errors import ConfigError
-from stages.models import granite, llama, olmo2, phi3, qwen2, qwen3
+from stages.models import gemma, granite, llama, olmo2, phi3, qwen2, qwen3
 from stages.models.family import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -23,6 +23,7 @@ FAMILIES: tuple[Family, ...] = (
     phi3.FAMILY,
     olmo2.FAMILY,
     granite.FAMILY,
+    gemma.FAMILY,
 )
 REGISTRY: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
 SERVED_ARCHITECTURES: tuple[str, ...] = tuple(REGISTRY)

@@ -70,6 +70,12 @@ def _llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     return torch.where(wavelen < original / scaling.high_freq_factor, inv_freq, scaled)
 
 
+def norm_weight(weight: torch.Tensor, offset: bool) -> torch.Tensor:
+    """An RMSNorm's weight as the kernels multiply by it: Gemma's norms multiply by (1 + w)
+    (computed in fp32, as transformers' Gemma RMSNorm does, then in the weight's dtype)."""
+    return (weight.float() + 1.0).to(weight.dtype) if offset else weight
+
+
 def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     """[head_dim] long: the order a head's dims of q and k are stored in, so that a partial
     rotary is the whole-head one (new dim j holds old dim order[j]).
@@ -98,20 +104,22 @@ class Rotary:
     exactly from that position on, so its tables need no flags (the kept decode step's and the
     GPU graphs' read by position)."""
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device, sliding: bool = False) -> None:
+        """`sliding`: the windowed layers' own rotary (Gemma 3: config.sliding_rope_*)."""
         head_dim, rotary_dim = config.head_dim, config.rotary_dim
-        scaling = config.rope_scaling
-        self.inv_freq = rope_inv_freq(head_dim, config.rope_theta, scaling, rotary_dim).to(
-            device
-        )  # [d/2]
+        scaling, theta = config.rope_scaling, config.rope_theta
+        if sliding:
+            assert config.sliding_rope_theta is not None
+            scaling, theta = config.sliding_rope_scaling, config.sliding_rope_theta
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling, rotary_dim).to(device)  # [d/2]
         self.scale: torch.Tensor | None = None
         self.long_inv_freq: torch.Tensor | None = None
         self.long_from = 0
-        if config.rope_long_from is not None:
+        if config.rope_long_from is not None and not sliding:
             assert scaling is not None
-            self.long_inv_freq = rope_inv_freq(
-                head_dim, config.rope_theta, scaling, rotary_dim, long=True
-            ).to(device)
+            self.long_inv_freq = rope_inv_freq(head_dim, theta, scaling, rotary_dim, long=True).to(
+                device
+            )
             self.long_from = config.rope_long_from
             if scaling.attention_factor != 1.0:  # the rotary dims only; passed-through ones keep 1
                 scale = torch.ones(head_dim // 2)
@@ -158,18 +166,31 @@ class DecoderLayer(nn.Module):
         self.head_dim = config.head_dim
         self.attention_scale = config.attention_scale
         self.window = config.window_of(layer_index)  # 0: the layer sees every position
-        self.softcap = 0.0  # (> 0: Gemma 2's attention logit soft-capping)
+        self.softcap = spec.attn_softcap  # > 0: Gemma 2's attention logit soft-capping
+        self.activation = spec.activation
+        self.act_mul = backend.ops.gelu_tanh_mul if spec.activation == "gelu_tanh" else None
+        # Gemma 3's windowed layers turn at their own rotary (the stage's second tables)
+        self.rope_local = bool(self.window) and config.sliding_rope_theta is not None
         # Where the norms sit (stages/layer_spec.py `norms`); None where the layer lacks one.
         self.input_norm: nn.Parameter | None = None  # [d], before attention
         self.post_attn_norm: nn.Parameter | None = None  # [d], before the MLP
         self.attn_out_norm: nn.Parameter | None = None  # [d], on attention's output
         self.mlp_out_norm: nn.Parameter | None = None  # [d], on the MLP's
+
+        def norm(name: str) -> nn.Parameter:
+            return _param(norm_weight(take(name), spec.norm_offset))
+
         if spec.norms == "post":
-            self.attn_out_norm = _param(take("post_attention_layernorm.weight"))
-            self.mlp_out_norm = _param(take("post_feedforward_layernorm.weight"))
+            self.attn_out_norm = norm("post_attention_layernorm.weight")
+            self.mlp_out_norm = norm("post_feedforward_layernorm.weight")
+        elif spec.norms == "sandwich":
+            self.input_norm = norm("input_layernorm.weight")
+            self.attn_out_norm = norm("post_attention_layernorm.weight")
+            self.post_attn_norm = norm("pre_feedforward_layernorm.weight")
+            self.mlp_out_norm = norm("post_feedforward_layernorm.weight")
         else:
-            self.input_norm = _param(take("input_layernorm.weight"))
-            self.post_attn_norm = _param(take("post_attention_layernorm.weight"))
+            self.input_norm = norm("input_layernorm.weight")
+            self.post_attn_norm = norm("post_attention_layernorm.weight")
         # What the family adds to Llama's layer (stages/layer_spec.py); None where it does not.
         self.qkv_bias: nn.Parameter | None = None  # [(h + 2 h_kv) d_head]
         self.o_bias: nn.Parameter | None = None  # [d]
@@ -190,8 +211,10 @@ class DecoderLayer(nn.Module):
             torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"]) if spec.qkv_bias else None
         )
         o_bias = take("self_attn.o_proj.bias") if spec.o_bias else None
-        q_norm = take("self_attn.q_norm.weight") if spec.qk_norm else None
-        k_norm = take("self_attn.k_norm.weight") if spec.qk_norm else None
+        q_norm = k_norm = None
+        if spec.qk_norm:
+            q_norm = norm_weight(take("self_attn.q_norm.weight"), spec.norm_offset)
+            k_norm = norm_weight(take("self_attn.k_norm.weight"), spec.norm_offset)
         if config.rotary_dim != config.head_dim:  # a partial rotary: rotary_order says why
             order = rotary_order(config.head_dim, config.rotary_dim)
             qkv = self._reorder_qk(qkv, order)
@@ -270,7 +293,9 @@ class DecoderLayer(nn.Module):
             x, residual = ops.add_rms_norm(h, residual, self.post_attn_norm, eps, True)
         else:  # the MLP reads the stream itself
             x = residual = ops.add(h, residual, True)
-        h = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        act = ops.silu_mul(gate_up) if self.act_mul is None else self.act_mul(gate_up)
+        h = self.down_proj(act)
         if self.mlp_out_norm is not None:
             h, _ = ops.add_rms_norm(h, None, self.mlp_out_norm, eps, True)
         return h, residual
@@ -310,6 +335,10 @@ class CausalLMStage(nn.Module):
         self.fused: CompiledLayers | None = backend.compile_layers(list(self.layers), self.dtype)
         self.rotary = Rotary(config, self.device)
         self.inv_freq = self.rotary.inv_freq  # [d/2]
+        # Gemma 3's windowed layers' rotary, where some layer of this stage turns at it
+        self.sliding_rotary: Rotary | None = None
+        if any(layer.rope_local for layer in self.layers):
+            self.sliding_rotary = Rotary(config, self.device, sliding=True)
         # First stage embeds the token ids; later stages start from what the previous sent.
         self._begin: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
         embed = weights.pop(EMBED) if self.is_first_stage else None  # [V, d]
@@ -320,7 +349,7 @@ class CausalLMStage(nn.Module):
         if self.is_last_stage:
             # Granite divides the logits by logits_scaling: folded into the final norm's weight,
             # which only the lm_head reads (on either end of a split one)
-            final_norm = weights.pop(FINAL_NORM)  # [d]
+            final_norm = norm_weight(weights.pop(FINAL_NORM), config.layer_spec.norm_offset)
             if config.logits_scaling != 1.0:
                 final_norm = final_norm / config.logits_scaling
             self.final_norm = _param(final_norm)
@@ -340,7 +369,9 @@ class CausalLMStage(nn.Module):
         # norm on the last stage, lm_head, argmax, a split's two maxima) in one call
         # (stages/backend/cpu/fused_layer.py); None: one at a time.
         self.greedy_head: GreedyFinish | None = None
-        if head_rows is not None:
+        # (not under Gemma 2's final soft cap: transformers' greedy picks among the capped
+        # logits, where bf16 can tie two that differ before it)
+        if head_rows is not None and not config.final_logit_softcap:
             self.greedy_head = backend.greedy_finish(
                 self.lm_head,
                 self.final_norm if self.is_last_stage else None,
@@ -364,12 +395,16 @@ class CausalLMStage(nn.Module):
         """Run this stage's layers; returns (hidden_states, residual), both [T, d]."""
         h, residual = self._begin(inputs, hidden_states, residual)
         cos, sin = self.rotary.tables(self.ops, inputs, self.dtype)  # all layers
+        local = None  # the rope_local layers' (Gemma 3)
+        if self.sliding_rotary is not None:
+            local = self.sliding_rotary.tables(self.ops, inputs, self.dtype)
         # (a stage on the CPU kernels always reads the cache paged; a batch with a long
         # prefill chunk, whose attention is not the paged kernel's, takes the layers' calls)
         if self.fused is not None and not self.ops.long_chunks(inputs):
-            return self.fused.forward(h, residual, cos, sin, kv, inputs)
+            return self.fused.forward(h, residual, cos, sin, kv, inputs, local)
         for layer_index, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv, layer_index, inputs)
+            c, s = (cos, sin) if local is None or not layer.rope_local else local
+            h, residual = layer(h, residual, c, s, kv, layer_index, inputs)
         assert residual is not None  # every stage has at least one layer
         return h, residual
 
@@ -390,7 +425,13 @@ class CausalLMStage(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor, rows: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Last stage: final norm, then this stage's lm_head rows. Returns [N, hi - lo]."""
-        return self.lm_head(self.final_hidden(h, residual, rows))
+        return self.cap_logits(self.lm_head(self.final_hidden(h, residual, rows)))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft cap, cap tanh(logits / cap), elementwise (a split lm_head's two
+        halves each); the logits as they are elsewhere."""
+        cap = self.config.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def _embed(
         self,
@@ -409,7 +450,11 @@ class CausalLMStage(nn.Module):
         else:
             rows = F.embedding(ids, self.embed_tokens)
         multiplier = self.config.embedding_multiplier
-        return rows if multiplier == 1.0 else rows * multiplier  # (Granite's)
+        if multiplier == 1.0:
+            return rows
+        if self.config.embedding_multiplier_in_dtype:  # Gemma's: a tensor of the rows' dtype
+            return rows * torch.tensor(multiplier, dtype=rows.dtype)
+        return rows * multiplier  # Granite's
 
     def _receive(
         self,

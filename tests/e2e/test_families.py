@@ -23,6 +23,7 @@ from tests.tiny_families import (
     LONGROPE_ORIGINAL,
     TOKENIZER_EOS_ID,
     TOKENIZER_VOCAB,
+    make_tiny_gemma,
     make_tiny_granite,
     make_tiny_mistral,
     make_tiny_olmo2,
@@ -53,6 +54,8 @@ def family_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "olmo2": make_tiny_olmo2(root / "olmo2", seed=36, **common),
         "granite": make_tiny_granite(root / "granite", seed=35, **common),
         "mistral-window": make_tiny_mistral(root / "mistral", seed=38, **common),
+        "gemma2": make_tiny_gemma(root / "gemma2", seed=39, **common),
+        "gemma3": make_tiny_gemma(root / "gemma3", version=3, seed=40, **common),
     }
 
 
@@ -99,18 +102,20 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "phi3-longrope": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM", "mistral-window": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
 }  # fmt: skip
 # Qwen2 and Qwen3 at every PP size on the default path and on the general path where stages
-# hand seams on (PP=1 on it is tests/stages/test_families.py's); the later families once each
+# hand seams on both ways (PP=1 and 2 on it: tests/stages/test_families.py's); the later families once each
 # (every path and PP size: tests/stages/test_families.py), Phi-3 with LongRoPE through the
 # general path, where prompts cross its switch at 64 positions as they decode and are computed
-# again at the long factors; Mistral with a 32-position window, past which its prompts run.
-# 14 rings, each 5-10 s to start and stop on 2 cores.
-QWEN_RINGS = ((1, "fused"), (2, "fused"), (3, "fused"), (2, "general"), (3, "general"))
+# again at the long factors; Mistral with a 32-position window, past which its prompts run;
+# Gemma 2 and 3 (windowed and full layers, soft caps, two rotaries). 14 rings, each 5-10 s to
+# start and stop on 2 cores.
+QWEN_RINGS = ((1, "fused"), (2, "fused"), (3, "fused"), (3, "general"))
 RINGS = [
     *((family, pp_size, path) for family in ("qwen2", "qwen3") for pp_size, path in QWEN_RINGS),
     ("phi3-longrope", 3, "general"), ("olmo2", 2, "fused"), ("granite", 2, "fused"),
-    ("mistral-window", 2, "fused"),
+    ("mistral-window", 2, "fused"), ("gemma2", 2, "fused"), ("gemma3", 3, "general"),
 ]  # fmt: skip
 
 

@@ -118,6 +118,8 @@ def test_a_window_longer_than_every_context_is_the_plain_kernel(
     windowed = attend(kernels, q, kv, chunks, window=1000, softcap=0.0)
     plain = attend(kernels, q, kv, chunks, window=0, softcap=0.0)
     torch.testing.assert_close(windowed, plain, atol=1e-6, rtol=1e-5)
+    capped = attend(kernels, q, kv, chunks, window=0, softcap=5.0)  # a cap alone: this kernel
+    torch.testing.assert_close(capped.double(), reference(q, kv, chunks, 0, 5.0), atol=1e-5, rtol=0)
 
 
 def test_the_windowed_kernel_checks_its_metadata_as_the_plain_one(

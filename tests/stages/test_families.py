@@ -41,6 +41,7 @@ from tests.tiny_families import (
     EOS_TOKEN_ID,
     LONGROPE_ORIGINAL,
     TINY_WINDOW,
+    make_tiny_gemma,
     make_tiny_granite,
     make_tiny_mistral,
     make_tiny_olmo2,
@@ -55,7 +56,10 @@ BF16_TOLERANCE = 0.02  # as test_parity's bf16 test: the tiny models' logits are
 GREEDY_INIT_STD = 0.2  # tests/tiny_families.py's init_std for the folders of greedy tests
 MIN_MARGIN = 1e-3  # transformers' greedy path keeps its best logit this far above the next
 
-FAMILIES = ["qwen2", "qwen3", "phi3", "phi3-longrope", "olmo2", "granite", "mistral-window"]
+FAMILIES = [
+    "qwen2", "qwen3", "phi3", "phi3-longrope", "olmo2", "granite", "mistral-window", "gemma2",
+    "gemma3",
+]  # fmt: skip
 TIED = ["qwen2-tied", "qwen3-tied", "granite-tied"]
 MAKERS = {
     "qwen2": make_tiny_qwen2, "qwen3": make_tiny_qwen3, "phi3": make_tiny_phi3,
@@ -63,11 +67,14 @@ MAKERS = {
     "olmo2": make_tiny_olmo2,
     "granite": lambda path, **kw: make_tiny_granite(path, tied=False, **kw),
     "mistral-window": make_tiny_mistral,
+    "gemma2": make_tiny_gemma,
+    "gemma3": lambda path, **kw: make_tiny_gemma(path, version=3, **kw),
 }  # fmt: skip
 # (seed, the greedy folder's seed): greedy folders whose prompts below meet no near tie
 SEEDS = {
     "qwen2": (21, 25), "qwen3": (22, 26), "phi3": (41, 45), "phi3-longrope": (51, 58),
-    "olmo2": (61, 65), "granite": (71, 81), "mistral-window": (91, 95),
+    "olmo2": (61, 65), "granite": (71, 81), "mistral-window": (91, 95), "gemma2": (101, 105),
+    "gemma3": (111, 115),
 }  # fmt: skip
 PARTITIONS = {"PP1": [4], "PP2": [2, 2], "PP3": [1, 2, 1]}
 
@@ -216,6 +223,8 @@ def test_the_folders_hold_what_sets_each_family_apart(family_dirs: dict[str, Pat
         ("qwen3", "k_norm.weight", 1.0),
         ("olmo2", "q_norm.weight", 1.0),
         ("olmo2", "post_feedforward_layernorm.weight", 1.0),
+        ("gemma3", "q_norm.weight", 0.0),  # Gemma's norms multiply by 1 + w
+        ("gemma2", "pre_feedforward_layernorm.weight", 0.0),
     ],
 )
 def test_leaving_out_a_family_feature_moves_the_logits_far_beyond_the_tolerance(
@@ -246,6 +255,12 @@ def test_leaving_out_a_family_feature_moves_the_logits_far_beyond_the_tolerance(
         ("phi3", {"partial_rotary_factor": 1.0}),
         ("mistral-window", {"sliding_window": None}),
         ("mistral-window", {"sliding_window": TINY_WINDOW + 1}),  # one more key seen
+        ("gemma2", {"attn_logit_softcapping": None}),
+        ("gemma2", {"final_logit_softcapping": None}),
+        ("gemma2", {"query_pre_attn_scalar": 32}),  # head_dim's scale
+        ("gemma2", {"sliding_window": 2 * TINY_WINDOW}),  # no layer windowed at 64 tokens
+        ("gemma3", {"sliding_window": 2 * TINY_WINDOW}),
+        ("gemma3", {"rope_parameters": "sliding at the full layers' theta"}),
     ],
 )
 def test_leaving_out_a_family_scalar_moves_the_logits_far_beyond_the_tolerance(
@@ -261,6 +276,10 @@ def test_leaving_out_a_family_scalar_moves_the_logits_far_beyond_the_tolerance(
     if "partial_rotary_factor" in override:
         rope = dict(config.rope_parameters, **override)
         changed = AutoModelForCausalLM.from_pretrained(folder, rope_parameters=rope, **override)
+    elif "rope_parameters" in override:  # Gemma 3's windowed layers at the full ones' rotary
+        rope = dict(config.rope_parameters)
+        rope["sliding_attention"] = rope["full_attention"]
+        changed = AutoModelForCausalLM.from_pretrained(folder, rope_parameters=rope)
     else:
         changed = AutoModelForCausalLM.from_pretrained(folder, **override)
     moved = (changed.eval()(torch.tensor([seq])).logits[0] - expected).abs().max().item()
@@ -409,7 +428,10 @@ def test_kept_decode_steps_equal_the_general_path_bit_for_bit(
     assert all(stage.cpu_decode is not None for stage in chains[0].stages)
     calls = kept_calls(monkeypatch)
     kept, ran = drive(chains[0], kept=True)
-    assert ran >= 20 and len(calls) == ran * len(partition)  # every decode-only step, each stage
+    # every decode-only step, each stage; but under Gemma 2's final soft cap the last stage's
+    # greedy finish is the general path's (blocks.py: transformers picks among capped logits)
+    kept_stages = len(partition) - bool(ModelConfig.from_folder(folder).final_logit_softcap)
+    assert ran >= 20 and len(calls) == ran * kept_stages
     calls.clear()
     general, _ = drive(chains[1], kept=False)
     assert not calls

@@ -86,6 +86,8 @@ class _Layer(ctypes.Structure):
         ("qk_norm_whole", ctypes.c_int32),  # 1: q_norm, k_norm span the projections (OLMo 2)
         ("window", ctypes.c_int32),  # > 0: attention sees the last `window` positions
         ("softcap", ctypes.c_float),  # > 0: scores soft-capped (Gemma 2)
+        ("gelu", ctypes.c_int32),  # 1: GeGLU's gelu_tanh gate (Gemma); 0: silu
+        ("rope_local", ctypes.c_int32),  # 1: the step's second rotary tables (Gemma 3)
     ]
 
 
@@ -114,6 +116,8 @@ class _Step(ctypes.Structure):
         ("h", ctypes.c_void_p),
         ("gate_up", ctypes.c_void_p),
         ("act", ctypes.c_void_p),
+        ("cos_local", ctypes.c_void_p),  # the rope_local layers' tables, or NULL
+        ("sin_local", ctypes.c_void_p),
     ]
 
 
@@ -230,6 +234,8 @@ class FusedLayers:
                 int(layer.qk_norm_whole),
                 layer.window,
                 layer.softcap,
+                int(layer.activation == "gelu_tanh"),
+                int(layer.rope_local),
             )
             for layer, four in zip(layers, matrices, strict=True)
         ]
@@ -282,9 +288,11 @@ class FusedLayers:
         sin: torch.Tensor,
         kv: KVCache,
         inputs: ForwardInputs,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, d] (read only), residual [T, d] or None -> (h, residual) after every layer.
-        cos, sin [T, head_dim] fp32 (ops.rope_tables); inputs.paged is set (CPU attention)."""
+        cos, sin [T, head_dim] fp32 (ops.rope_tables); `local`: the same of the rope_local
+        layers' rotary (Gemma 3's windowed layers); inputs.paged is set (CPU attention)."""
         paged = inputs.paged
         assert paged is not None and h.dtype == self.dtype
         # what the kernels read as raw memory (stages/inputs.py builds them so; checked once
@@ -315,6 +323,7 @@ class FusedLayers:
             paged.block_table.data_ptr(),
             self.scale,
             *scratch,
+            *((None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())),
         )
         self.run_at(
             ctypes.addressof(step), h.data_ptr(), _address(residual), residual_out.data_ptr(),

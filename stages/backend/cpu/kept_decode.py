@@ -69,6 +69,8 @@ class CpuDecodeStep:
         self._rope = model.ops.rope_table(
             rotary.inv_freq, rotary.scale, rotary.long_inv_freq, rotary.long_from
         )
+        sliding = model.sliding_rotary  # Gemma 3's windowed layers' own rotary, or None
+        self._rope_local = None if sliding is None else model.ops.rope_table(sliding.inv_freq)
         # Kept rows [MAX_ROWS, d] each: the first stage's embedded tokens (where the kernels
         # look them up), then the last stage's layer outputs h and residual, which its greedy
         # finish reads within the step (a seam leaves in fresh tensors).
@@ -210,9 +212,15 @@ class CpuDecodeStep:
             h_at, residual_at = hidden_states.data_ptr(), residual.data_ptr()
         cos, sin = self._rope.covering(max(positions))  # [P, head_dim] fp32 each
         step = self._step
+        if self._rope_local is not None:  # the kernels check positions against both's rows
+            cos_local, sin_local = self._rope_local.covering(max(positions))
+            step.cos_local, step.sin_local = cos_local.data_ptr(), sin_local.data_ptr()
+            rows = min(cos.shape[0], cos_local.shape[0])
+        else:
+            rows = cos.shape[0]
         step.num_tokens = step.num_seqs = n
         step.table_stride = width
-        step.cos, step.sin, step.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
+        step.cos, step.sin, step.rope_rows = cos.data_ptr(), sin.data_ptr(), rows
         step.positions = longs_at + 8 * n
         step.slot_mapping = longs_at + 16 * n
         step.q_start, step.q_len = ints_at, ints_at + 4 * n

@@ -137,6 +137,8 @@ class NativeKernels(MatmulKernels):
         lib.ppr_silu_mul.argtypes = [ctypes.c_int, _vp, _vp, ctypes.c_int64, _vp] + [
             ctypes.c_int
         ] * 2
+        lib.ppr_gelu_tanh_mul.restype = None
+        lib.ppr_gelu_tanh_mul.argtypes = lib.ppr_silu_mul.argtypes
         lib.ppr_kv_as_pairs.restype = ctypes.c_int
         lib.ppr_kv_as_pairs.argtypes = [ctypes.c_int] * 2
         lib.ppr_decoder_layers.restype = ctypes.c_int
@@ -386,6 +388,18 @@ class NativeKernels(MatmulKernels):
             num_tokens,
             width // 2,
         )
+        return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 I] (gate, then up) -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
+        _check(gate_up, gate_up)
+        num_tokens, width = gate_up.shape
+        out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype)
+        start = gate_up.data_ptr()
+        self._lib.ppr_gelu_tanh_mul(
+            _ELEM_BYTES[gate_up.dtype], start, start + (width // 2) * gate_up.element_size(),
+            width, out.data_ptr(), num_tokens, width // 2,
+        )  # fmt: skip
         return out
 
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor, n: int | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ class NativeOps:
         self.add_rms_norm = kernels.add_rms_norm
         self.rope_store = kernels.rope_store
         self.silu_mul = kernels.silu_mul
+        self.gelu_tanh_mul = kernels.gelu_tanh_mul
         self.row_argmax = kernels.row_argmax
         self._kernels = kernels
         self._ropes: dict[tuple[int, ...], RopeTable] = {}  # rope_table's, by what makes them

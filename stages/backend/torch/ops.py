@@ -95,6 +95,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's GeGLU: gelu (tanh approximation) of the gate times up; [T, 2 I] -> [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return F.gelu(gate, approximate="tanh") * up
+
     def row_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N]: each row's first maximal index, NaN the largest (sampler.row_argmax)."""
         return row_argmax(logits)

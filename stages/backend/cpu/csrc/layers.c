@@ -120,8 +120,10 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
 #pragma omp parallel if (T >= 8)
         qkv_bias_norm_rows(L, eb, s->qkv, qkv_row, T);
     }
-    rope_store(eb, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
-               s->num_slots, T, L->num_heads, L->num_kv_heads, D);
+    const int local = L->rope_local && s->cos_local;
+    rope_store(eb, s->qkv, qkv_row, s->q, local ? s->cos_local : s->cos,
+               local ? s->sin_local : s->sin, s->positions, s->slot_mapping, kv, s->num_slots, T,
+               L->num_heads, L->num_kv_heads, D);
     if (L->window || L->softcap) {
         if (paged_attention_window(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
                                    s->ctx_len, s->block_table, s->table_stride, s->num_slots,
@@ -146,8 +148,9 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
         return -1;
     }
     if (run_linear(&L->gate_up, eb, mlp_in, s->gate_up, T)) return -1;
-    ppr_silu_mul(eb, s->gate_up, (const char *)s->gate_up + (int64_t)L->intermediate * eb,
-                 2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
+    (L->gelu ? ppr_gelu_tanh_mul : ppr_silu_mul)(
+        eb, s->gate_up, (const char *)s->gate_up + (int64_t)L->intermediate * eb,
+        2 * (int64_t)L->intermediate, s->act, T, L->intermediate);
     if (run_linear(&L->down, eb, s->act, h_out, T)) return -1;
     if (L->mlp_out_norm) ppr_add_rms_norm(eb, h_out, NULL, L->mlp_out_norm, h_out, h_out, T, d,
                                           L->eps);
@@ -204,7 +207,7 @@ static int stack_in_team_ok(const ppr_layer_t *layers, int n, const ppr_step_t *
             return 0;
         /* the team's loops are Llama's norms (the default model's); others take the calls */
         if (!L->input_norm || !L->post_attn_norm || L->attn_out_norm || L->mlp_out_norm ||
-            L->qk_norm_whole || L->window || L->softcap)
+            L->qk_norm_whole || L->window || L->softcap || L->gelu || L->rope_local)
             return 0;
         if (L->qkv.k != L->hidden || L->gate_up.k != L->hidden || L->down.k != L->intermediate ||
             L->gate_up.n != 2 * L->intermediate || L->o.k != L->num_heads * L->head_dim)
@@ -415,7 +418,8 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_layer_t, q_norm),       offsetof(ppr_layer_t, k_norm),
         offsetof(ppr_layer_t, attn_out_norm), offsetof(ppr_layer_t, mlp_out_norm),
         offsetof(ppr_layer_t, qk_norm_whole), offsetof(ppr_layer_t, window),
-        offsetof(ppr_layer_t, softcap),
+        offsetof(ppr_layer_t, softcap), offsetof(ppr_layer_t, gelu),
+        offsetof(ppr_layer_t, rope_local),
     };
     static const int64_t step[] = {
         offsetof(ppr_step_t, elem_bytes),   offsetof(ppr_step_t, num_tokens),
@@ -429,7 +433,8 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_step_t, x),            offsetof(ppr_step_t, qkv),
         offsetof(ppr_step_t, q),            offsetof(ppr_step_t, attn),
         offsetof(ppr_step_t, h),            offsetof(ppr_step_t, gate_up),
-        offsetof(ppr_step_t, act),
+        offsetof(ppr_step_t, act),          offsetof(ppr_step_t, cos_local),
+        offsetof(ppr_step_t, sin_local),
     };
     const int64_t *offsets;
     int count;

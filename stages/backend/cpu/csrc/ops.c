@@ -218,6 +218,43 @@ void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row,
     silu_mul_rows(elem_bytes, gate, up, row, out, T, I);
 }
 
+/* out[T, I] = gelu_tanh(gate) * up (Gemma's GeGLU; rows as ppr_silu_mul's), with torch's tanh
+ * approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in fp32; in bf16 the gelu
+ * rounded to bf16 before the multiply, as torch's separate ops round it. Row t. */
+static inline void gelu_tanh_mul_row(int elem_bytes, const void *gate, const void *up,
+                                     int64_t row, void *out, int t, int I) {
+    const int64_t src = (int64_t)t * row, dst = (int64_t)t * I;
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    if (elem_bytes == 4) {
+        const float *g = (const float *)gate + src, *u = (const float *)up + src;
+        float *o = (float *)out + dst;
+        for (int i = 0; i < I; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x))) * u[i];
+        }
+    } else {
+        const uint16_t *g = (const uint16_t *)gate + src, *u = (const uint16_t *)up + src;
+        uint16_t *o = (uint16_t *)out + dst;
+        for (int i = 0; i < I; i++) {
+            const float x = bf16_load(g[i]);
+            const float act = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
+            o[i] = bf16_store(bf16_load(bf16_store(act)) * bf16_load(u[i]));
+        }
+    }
+}
+
+static void gelu_tanh_mul_rows(int elem_bytes, const void *gate, const void *up, int64_t row,
+                               void *out, int T, int I) {
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++) gelu_tanh_mul_row(elem_bytes, gate, up, row, out, t, I);
+}
+
+void ppr_gelu_tanh_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out,
+                       int T, int I) {
+#pragma omp parallel if (T >= 8)
+    gelu_tanh_mul_rows(elem_bytes, gate, up, row, out, T, I);
+}
+
 /* ppr_add_bias's rows, shared by the team this runs in (orphaned) */
 void add_bias_rows(int elem_bytes, void *y, int64_t row_stride, const void *bias, int T, int N) {
 #pragma omp for schedule(static)

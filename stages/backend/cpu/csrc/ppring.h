@@ -168,6 +168,10 @@ typedef struct {
     int32_t window;
     /* > 0: scores become softcap tanh(score / softcap) before the softmax (Gemma 2); 0: none */
     float softcap;
+    int32_t gelu; /* 1: the MLP's gate is gelu_tanh (Gemma's GeGLU); 0: silu */
+    /* 1: the step's second rotary tables (ppr_step_t cos_local, sin_local: Gemma 3's windowed
+     * layers); 0: its first */
+    int32_t rope_local;
 } ppr_layer_t;
 
 /* What one forward shares across its layers: T rows, the rotary tables (cos and sin [T, D],
@@ -186,6 +190,8 @@ typedef struct {
     const int32_t *q_start, *q_len, *ctx_len, *block_table;
     float scale;
     void *x, *qkv, *q, *attn, *h, *gate_up, *act;
+    /* the rotary tables of layers with rope_local (laid out as cos and sin), or NULL */
+    const float *cos_local, *sin_local;
 } ppr_step_t;
 
 static inline float bf16_load(uint16_t b) {
@@ -741,6 +747,8 @@ void ppr_add_rms_norm(int elem_bytes, const void *h, const void *residual, const
                       void *residual_out, void *x_out, int T, int d, float eps);
 void ppr_silu_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out, int T,
                   int I);
+void ppr_gelu_tanh_mul(int elem_bytes, const void *gate, const void *up, int64_t row, void *out,
+                       int T, int I);
 void ppr_row_argmax(int elem_bytes, const void *x, int64_t stride, int64_t *out, int N, int V);
 int ppr_add_bias(int elem_bytes, void *y, int64_t row_stride, const void *bias, int T, int N);
 int ppr_add(int elem_bytes, const void *h, const void *residual, void *out, int T, int d);
