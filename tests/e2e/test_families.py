@@ -104,13 +104,13 @@ ARCHITECTURES = {
     "granite": "GraniteForCausalLM", "mistral-window": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
 }  # fmt: skip
-# Qwen2 and Qwen3 at every PP size on the default path and on the general path where stages
-# hand seams on both ways (PP=1 and 2 on it: tests/stages/test_families.py's); the later families once each
-# (every path and PP size: tests/stages/test_families.py), Phi-3 with LongRoPE through the
-# general path, where prompts cross its switch at 64 positions as they decode and are computed
-# again at the long factors; Mistral with a 32-position window, past which its prompts run;
-# Gemma 2 and 3 (windowed and full layers, soft caps, two rotaries). 14 rings, each 5-10 s to
-# start and stop on 2 cores.
+# Qwen2 and Qwen3 at every PP size on the default path and at PP=3 on the general path (PP=1
+# and 2 on it: tests/stages/test_families.py's); the later families once each (every path and
+# PP size: tests/stages/test_families.py): Phi-3 with LongRoPE through the general path, where
+# prompts cross its switch at 64 positions as they decode and are computed again at the long
+# factors; Mistral with a 32-position window, past which its prompts run; Gemma 2 and 3
+# (windowed and full layers, soft caps, two rotaries). 14 rings, each 5-10 s to start and stop
+# on 2 cores.
 QWEN_RINGS = ((1, "fused"), (2, "fused"), (3, "fused"), (3, "general"))
 RINGS = [
     *((family, pp_size, path) for family in ("qwen2", "qwen3") for pp_size, path in QWEN_RINGS),

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -375,28 +376,20 @@ class NativeKernels(MatmulKernels):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2 I] (gate, then up) -> silu(gate) * up [T, I]."""
-        _check(gate_up, gate_up)
-        num_tokens, width = gate_up.shape
-        out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype)
-        start = gate_up.data_ptr()
-        self._lib.ppr_silu_mul(
-            _ELEM_BYTES[gate_up.dtype],
-            start,
-            start + (width // 2) * gate_up.element_size(),
-            width,
-            out.data_ptr(),
-            num_tokens,
-            width // 2,
-        )
-        return out
+        return self._gated(self._lib.ppr_silu_mul, gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2 I] (gate, then up) -> gelu_tanh(gate) * up [T, I] (Gemma's GeGLU)."""
+        return self._gated(self._lib.ppr_gelu_tanh_mul, gate_up)
+
+    @staticmethod
+    def _gated(kernel: Any, gate_up: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's activation kernel over gate_up [T, 2 I] -> [T, I]."""
         _check(gate_up, gate_up)
         num_tokens, width = gate_up.shape
         out = torch.empty((num_tokens, width // 2), dtype=gate_up.dtype)
         start = gate_up.data_ptr()
-        self._lib.ppr_gelu_tanh_mul(
+        kernel(
             _ELEM_BYTES[gate_up.dtype], start, start + (width // 2) * gate_up.element_size(),
             width, out.data_ptr(), num_tokens, width // 2,
         )  # fmt: skip
