@@ -169,7 +169,7 @@ def load_runner(
     from stages.kv_cache import bytes_per_block
     from stages.runner import StageRunner
 
-    config = ModelConfig.from_folder(model_dir)
+    config = ModelConfig.from_path(model_dir)
     dtype, quantization, activations = split_config(name)
     resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
     # read as the stage loads its matrices; the caller's setting is back after the load
@@ -226,13 +226,12 @@ def compare(reference: list[list[int]], candidate: list[list[int]], prefix: int)
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from transformers import AutoTokenizer
 
-    from launch.prepare_model import resolve_model
+    from launch.prepare_model import load_tokenizer, resolve_model
     from stages.batch import blocks_needed
 
     model_dir = Path(resolve_model(args.model))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages.runner import StageRunner
 
     model_dir = Path(resolve_model(args.model))
-    config = ModelConfig.from_folder(model_dir)
+    config = ModelConfig.from_path(model_dir)
     choice = resolve_dtype(args.dtype, torch.device("cpu"), config.torch_dtype)
     chunk = args.chunked_prefill_size or RingConfig.chunked_prefill_size
     blocks = blocks_needed(args.tokens)

@@ -167,15 +167,14 @@ def load(model_dir: Path, name: str, blocks: int, threads: int | None) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
-    from transformers import AutoTokenizer
 
-    from launch.prepare_model import resolve_model
+    from launch.prepare_model import load_tokenizer, resolve_model
     from stages.batch import blocks_needed
 
     started = time.monotonic()
     model_dir = Path(resolve_model(args.model))
     text = args.text.read_text(errors="replace")
-    ids = list(AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"])
+    ids = list(load_tokenizer(model_dir)(text)["input_ids"])
     windows = text_windows(ids, args.windows or len(ids), args.window_tokens)
     blocks = blocks_needed(max(len(w) for w in windows))
     names = [args.reference, *args.candidates]

@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.multiturn import run
 
         return run(args, argv, model_dir)
-    config = ModelConfig.from_folder(model_dir)
+    config = ModelConfig.from_path(model_dir)
     try:
         workload = make_workload(
             args.num_requests,
@@ -717,7 +717,7 @@ def _resolved_dtype(args: argparse.Namespace, model_dir: Path) -> str:
     from stages.config import ModelConfig
     from stages.dtype import resolve_dtype
 
-    return resolve_dtype("auto", args.device, ModelConfig.from_folder(model_dir).torch_dtype).name
+    return resolve_dtype("auto", args.device, ModelConfig.from_path(model_dir).torch_dtype).name
 
 
 def _subset(workload: Workload, rate: float, point_seconds: float, min_requests: int) -> Workload:

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages.runner import StageRunner
 
     model_dir = Path(resolve_model(args.model))
-    config = ModelConfig.from_folder(model_dir)
+    config = ModelConfig.from_path(model_dir)
     device = torch.device(args.device)
     choice = resolve_dtype(args.dtype, device, config.torch_dtype)
     args.dtype = choice.name

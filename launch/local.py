@@ -161,7 +161,7 @@ def summary(args: argparse.Namespace, model_dir: Path) -> Startup:
     from stages.config import ModelConfig
     from stages.partition import PARTITION_ENV, StageCosts, partition_for_model
 
-    config = ModelConfig.from_folder(model_dir)
+    config = ModelConfig.from_path(model_dir)
     cfg = ring_config(args, rank=0)
     split = partition_for_model(config, args.pp_size, args.partition_rule, cfg.split_lm_head)
     context = (
@@ -402,9 +402,9 @@ def run_frontend(
     """Node 0's frontend (and HTTP API) until the ring shuts down or fails. `restarter`
     (`Restarter`, or `ppring serve`'s `NodeRestarter`) re-forms a failed ring; None: a failure
     fails every request."""
-    from transformers import AutoTokenizer
+    from launch.prepare_model import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     try:
         import uvloop
 

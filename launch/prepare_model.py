@@ -50,24 +50,6 @@ REINSTALL_HINT = (
     f"{PACKAGE}=={PACKAGE_VERSION}`"
 )
 
-# GGUF tensor name (after `blk.N.`) -> Hugging Face Llama parameter name (after `model.layers.N.`).
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_TENSORS = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
 
 class PrepareModelError(RuntimeError):
     """The model could not be prepared or found; the text is one sentence naming the fix."""
@@ -79,16 +61,31 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(model: str | None) -> Path:
-    """`--model` as given → the Hugging Face folder to serve (the default model when None)."""
+    """`--model` as given → the Hugging Face folder or the .gguf file to serve (the default
+    model when None)."""
     if model is None:
         return prepare_default_model()
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path.resolve()
     if not (path / "config.json").is_file():
         raise PrepareModelError(
-            f"{model} is not a local Hugging Face model folder (no config.json); "
-            "pass --model DIR or omit --model to use the default model"
+            f"{model} is neither a local Hugging Face model folder (no config.json) nor a .gguf "
+            "file; pass --model DIR or FILE.gguf, or omit --model to use the default model"
         )
     return path.resolve()
+
+
+def load_tokenizer(model: Path) -> Any:
+    """The tokenizer of a model folder, or of a .gguf file (transformers rebuilds it from the
+    file's metadata; `local_files_only`: never a hub id)."""
+    from transformers import AutoTokenizer
+
+    if model.suffix.lower() == ".gguf":
+        return AutoTokenizer.from_pretrained(
+            model.parent, gguf_file=model.name, local_files_only=True
+        )
+    return AutoTokenizer.from_pretrained(model)
 
 
 def prepare_default_model(cache_dir: Path | None = None, quiet: bool = False) -> Path:
@@ -218,6 +215,8 @@ def _convert(gguf_path: Path, out_dir: Path, quiet: bool) -> None:
     from tqdm import tqdm
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
 
+    from stages.gguf_file import unpermute_rope
+
     reader = gguf.GGUFReader(gguf_path)
     if (arch := _field(reader, "general.architecture")) != "llama":
         raise PrepareModelError(f"{gguf_path} holds a {arch!r} model, not llama; {REINSTALL_HINT}")
@@ -231,9 +230,9 @@ def _convert(gguf_path: Path, out_dir: Path, quiet: bool) -> None:
         # Dequantized to fp32, shaped [out, in] like a torch Linear weight.
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if ".attn_q." in tensor.name:
-            weight = _unpermute_rope(weight, num_heads)
+            weight = unpermute_rope(weight, num_heads)
         elif ".attn_k." in tensor.name:
-            weight = _unpermute_rope(weight, num_kv_heads)
+            weight = unpermute_rope(weight, num_kv_heads)
         tensors[_hf_name(tensor.name)] = np.ascontiguousarray(weight, dtype=np.float32)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
@@ -299,25 +298,13 @@ def _field(reader: Any, key: str) -> Any:
 
 
 def _hf_name(gguf_name: str) -> str:
-    """`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight`."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
-    raise PrepareModelError(f"unexpected tensor {gguf_name} in the GGUF file; {REINSTALL_HINT}")
+    """`blk.3.attn_q.weight` → `model.layers.3.self_attn.q_proj.weight` (stages/gguf_file.py)."""
+    from stages.gguf_file import hf_name
 
-
-def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation.
-
-    llama.cpp's converter reorders each head's rows so rotary pairs are adjacent (x0, x1), (x2,
-    x3), … for its rope kernel; Hugging Face Llama rotates halves (x_i, x_{i + head_dim/2}).
-    weight: [num_heads * head_dim, d] in llama.cpp order → same shape in HF order.
-    """
-    head_dim = weight.shape[0] // num_heads
-    pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(weight.shape)
+    name = hf_name(gguf_name)
+    if name is None:
+        raise PrepareModelError(f"unexpected tensor {gguf_name} in the GGUF file; {REINSTALL_HINT}")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:

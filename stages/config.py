@@ -81,6 +81,16 @@ class ModelConfig:
     final_logit_softcap: float = 0.0
 
     @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """From a Hugging Face folder or a .gguf file (its metadata: stages/gguf_file.py)."""
+        from stages.gguf_file import config_dicts, is_gguf
+
+        if is_gguf(path):
+            raw, generation = config_dicts(path)
+            return cls.from_dict(raw, generation, source=str(path))
+        return cls.from_folder(path)
+
+    @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
         folder = Path(path)
         config_path = folder / "config.json"

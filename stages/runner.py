@@ -82,7 +82,7 @@ class StageRunner(Stage):
             # One stage per process: stages sharing a host must split its cores, or their
             # OpenMP thread pools fight and every op slows down many times over.
             torch.set_num_threads(num_threads)
-        self.config = ModelConfig.from_folder(model_dir)
+        self.config = ModelConfig.from_path(model_dir)
         if not 0 <= start_layer < end_layer <= self.config.num_layers:
             raise ValueError(
                 f"layer range [{start_layer}, {end_layer}) is not inside the model's "
@@ -200,7 +200,7 @@ class StageRunner(Stage):
     ) -> StageRunner:
         """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
         else `partition_rule` (stages/partition.py)."""
-        config = ModelConfig.from_folder(model_dir)
+        config = ModelConfig.from_path(model_dir)
         num_layers = config.num_layers
         if partition is None:
             partition = partition_for_model(config, pp_size, partition_rule, split_lm_head)

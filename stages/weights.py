@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from stages.config import STAGE_DTYPES, ModelConfig
 from stages.errors import ConfigError
+from stages.gguf_file import is_gguf, stage_tensors
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -84,6 +85,17 @@ def load_stage_weights(
     torch_dtype = to_torch_dtype(dtype)
     matrix_torch_dtype = to_torch_dtype(matrix_dtype or dtype)
     names = stage_tensor_names(config, start, end, lm_head)
+    if is_gguf(folder):  # one file; its tensors dequantized to fp32 (stages/gguf_file.py)
+        tensors = {
+            # (copied: an F32 tensor's array is a view of the memory-mapped file)
+            name: torch.tensor(array).to(
+                device=device, dtype=matrix_torch_dtype if array.ndim == 2 else torch_dtype
+            )
+            for name, array in stage_tensors(folder, names, config).items()
+        }
+        if end == config.num_layers if lm_head is None else lm_head:
+            tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
+        return StageWeights(tensors=tensors, num_tensors_read=len(names))
     locations = _tensor_locations(folder)
     by_file: dict[Path, list[str]] = {}
     for name in names:

@@ -245,7 +245,7 @@ def test_failed_install_names_the_fix(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_resolve_model_rejects_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(PrepareModelError, match="is not a local Hugging Face model folder"):
+    with pytest.raises(PrepareModelError, match="is neither a local Hugging Face model folder"):
         resolve_model(str(tmp_path / "nope"))
 
 

@@ -1,0 +1,207 @@
+"""A model given as one GGUF file (llama.cpp's format, what most people serving on CPUs hold):
+its config from the file's metadata, its tensors by Hugging Face name, read through the `gguf`
+package (which memory-maps the file: a stage touches only its own tensors).
+
+The metadata becomes a config.json-shaped dict for `ModelConfig.from_dict`, so a GGUF model
+goes through the same family checks as a folder. Tensor names map to Hugging Face's Llama
+names; llama.cpp's converter reorders the rows of each q and k head of a `llama` model for its
+rotary (pairs adjacent) and this puts them back (transformers' GGUF loader does the same).
+
+Served: the architectures in ARCHITECTURES, tensors in SERVED_FORMATS. This step dequantizes a
+stage's tensors at load (`stage_tensors`), as a GPU stage will always do; the CPU kernels that
+multiply each format from its own blocks come next (issue 51).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from stages.errors import ConfigError
+
+# general.architecture -> Hugging Face architecture
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SERVED_FORMATS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+# `blk.N.<name>` -> `model.layers.N.<name>`; the rest by their whole name
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def open_gguf(path: str | Path) -> Any:
+    """The file's `gguf.GGUFReader` (memory-mapped), or one ConfigError."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a file; pass --model a .gguf file or a model folder")
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a readable GGUF file ({exc})") from None
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """One GGUF metadata value: a str, int or float, a list of them, or `default` if absent."""
+    if key not in reader.fields:
+        return default
+    value = reader.fields[key].contents()
+    # GGUF stores floats as float32 (1e-5 reads back as 9.999999747378752e-06): the float32's
+    # shortest repr is the value the model was made with
+    if isinstance(value, float):
+        import numpy as np
+
+        return float(str(np.float32(value)))
+    return value
+
+
+def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) as dicts, from the file's metadata; one
+    ConfigError for an architecture or a tensor format ppring does not serve."""
+    reader = reader if reader is not None else open_gguf(path)
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path} is a GGUF file of a {arch!r} model; ppring serves GGUF files of "
+            f"{', '.join(ARCHITECTURES)} (and every family as a Hugging Face folder)"
+        )
+    check_formats(path, reader)
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ConfigError(
+            f"{path} holds rope_freqs (Llama 3.1's rotary scaling as per-frequency factors), "
+            "which ppring does not read from a GGUF file yet; serve the model's Hugging Face "
+            "folder"
+        )
+
+    def need(key: str) -> Any:
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ConfigError(f"{path} lacks the metadata {arch}.{key}; re-convert the file")
+        return value
+
+    heads = need("attention.head_count")
+    hidden = need("embedding_length")
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    vocab = field(reader, f"{arch}.vocab_size") or (
+        len(tokens) if tokens is not None else int(embedding.shape[-1])
+    )
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": need("block_count"),
+        "intermediate_size": need("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "max_position_embeddings": need("context_length"),
+        "rms_norm_eps": need("attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(reader, f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": vocab,
+        # llama.cpp leaves output.weight out where the lm_head is the embedding
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": {"F32": "float32", "BF16": "bfloat16"}.get(
+            embedding.tensor_type.name, "float16"
+        ),
+    }
+    scaling = field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ConfigError(
+                f"{path} scales its rotary by {scaling!r}, which ppring reads from a GGUF file "
+                "only as 'linear'; serve the model's Hugging Face folder"
+            )
+        raw["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": field(reader, f"{arch}.rope.scaling.factor", 1.0),
+        }
+    if arch == "qwen2":  # (Qwen2's biases are its layer's; its config says nothing of them)
+        raw["use_sliding_window"] = False
+    generation = {"eos_token_id": raw["eos_token_id"], "bos_token_id": raw["bos_token_id"]}
+    return raw, generation
+
+
+def check_formats(path: str | Path, reader: Any) -> None:
+    """One ConfigError naming the formats served where a tensor is in another."""
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SERVED_FORMATS:
+            raise ConfigError(
+                f"{path} holds {tensor.name} as {tensor.tensor_type.name}, a format ppring does "
+                f"not serve; it serves {', '.join(SERVED_FORMATS)} (llama.cpp's quantize makes "
+                "those, e.g. Q4_K_M)"
+            )
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a tensor
+    no stage reads."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_rope(weight: Any, num_heads: int) -> Any:
+    """Undo llama.cpp's q/k row order: it puts each head's rotary pairs side by side, (x0, x1),
+    (x2, x3), ..., where Hugging Face's Llama rotates halves (x_i, x_{i + head_dim / 2}).
+    weight: [num_heads * head_dim, ...] (a numpy array) -> the same shape in HF order."""
+    head_dim = weight.shape[0] // num_heads
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(weight.shape)
+
+
+def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, Any]:
+    """The tensors of Hugging Face names `names`, each dequantized to an fp32 numpy array
+    shaped as a torch Linear weight ([out, in]), q and k in HF's row order; one ConfigError
+    naming a tensor the file lacks."""
+    import gguf
+    import numpy as np
+
+    reader = open_gguf(path)
+    arch = field(reader, "general.architecture")
+    by_name = {hf_name(tensor.name): tensor for tensor in reader.tensors}
+    out: dict[str, Any] = {}
+    for name in names:
+        tensor = by_name.get(name)
+        if tensor is None:
+            raise ConfigError(f"{path} lacks the tensor for {name}; re-convert the file")
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = np.asarray(weight, dtype=np.float32).reshape(
+            tuple(int(n) for n in reversed(tensor.shape))
+        )
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            weight = unpermute_rope(weight, config.num_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            weight = unpermute_rope(weight, config.num_kv_heads)
+        out[name] = weight
+    return out

@@ -1,0 +1,154 @@
+"""A model given as one GGUF file (stages/gguf_file.py): tiny Llama and Qwen2 models written with
+the `gguf` package in mixed formats (tests/tiny_gguf.py), against transformers loading the same
+file (`from_pretrained(..., gguf_file=...)`): the config from the metadata, every format's
+weights exactly the package's dequantization, logits and greedy tokens at PP = 1, 2, 3 on the
+CPU paths; a format or an architecture ppring does not serve is one sentence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.config import ModelConfig
+from stages.errors import ConfigError
+from stages.gguf_file import SERVED_FORMATS, hf_name, open_gguf, stage_tensors
+from tests.stages.conftest import Chain, drive_teacher_forced, greedy_generate
+from tests.stages.test_families import assert_path_taken, compute_path  # noqa: F401
+from tests.stages.test_parity import random_seqs
+from tests.tiny_families import TOKENIZER_EOS_ID, TOKENIZER_VOCAB, byte_level_tokenizer
+from tests.tiny_gguf import tiny_gguf_pair, write_gguf
+from tests.tiny_llama import make_tiny_llama
+
+TOLERANCE = 1e-4  # max abs logit difference, fp32
+MIN_MARGIN = 1e-3
+PARTITIONS = {"PP1": [4], "PP2": [2, 2], "PP3": [1, 2, 1]}
+# Every matrix format in one model (the k-quants where K is a multiple of 256)
+LLAMA_FORMATS = {
+    "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q8_0",
+    "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "F16",
+    "output": "BF16",
+}  # fmt: skip
+QWEN2_FORMATS = {
+    "attn_q": "Q8_0", "attn_k": "Q6_K", "attn_v": "Q4_K", "attn_output": "Q5_K",
+    "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q4_0", "token_embd": "Q8_0",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> a GGUF file in a folder of its own (transformers loads it as folder + name)."""
+    formats = {"llama": LLAMA_FORMATS, "qwen2": QWEN2_FORMATS}
+    return tiny_gguf_pair(tmp_path_factory.mktemp("gguf"), formats, seeds=(3, 4, 5))
+
+
+_HF: dict[Path, torch.nn.Module] = {}
+
+
+def hf_gguf(path: Path) -> torch.nn.Module:
+    if path not in _HF:
+        _HF[path] = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    return _HF[path]
+
+
+def test_the_config_comes_from_the_metadata(gguf_files: dict[str, Path]) -> None:
+    llama = ModelConfig.from_path(gguf_files["llama"])
+    assert (llama.architecture, llama.hidden_size, llama.num_layers) == ("LlamaForCausalLM", 256, 4)
+    assert (llama.num_heads, llama.num_kv_heads, llama.vocab_size) == (4, 2, TOKENIZER_VOCAB)
+    assert llama.eos_token_ids == (TOKENIZER_EOS_ID,) and not llama.tie_word_embeddings
+    qwen2 = ModelConfig.from_path(gguf_files["qwen2"])
+    assert qwen2.architecture == "Qwen2ForCausalLM" and qwen2.layer_spec.qkv_bias
+    assert qwen2.rope_theta == 1_000_000.0
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_every_format_loads_as_the_package_dequantizes_it(
+    gguf_files: dict[str, Path], model: str
+) -> None:
+    """Bit for bit the gguf package's dequantization (transformers' too), q and k in Hugging
+    Face's row order where the file is a llama's."""
+    path = gguf_files[model]
+    reader = open_gguf(path)
+    config = ModelConfig.from_path(path)
+    seen = set()
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        assert name is not None
+        (got,) = stage_tensors(path, [name], config).values()
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if model == "llama" and ("q_proj" in name or "k_proj" in name):
+            heads = config.num_heads if "q_proj" in name else config.num_kv_heads
+            expected = expected.reshape(heads, -1, 2, expected.shape[-1]).swapaxes(1, 2)
+        assert np.array_equal(got.reshape(-1), np.asarray(expected, np.float32).reshape(-1))
+        seen.add(tensor.tensor_type.name)
+    wanted = {*(LLAMA_FORMATS if model == "llama" else QWEN2_FORMATS).values(), "F32"}
+    assert seen == wanted
+
+
+@pytest.mark.parametrize("split", list(PARTITIONS))
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_logits_and_greedy_tokens_equal_transformers_from_the_file(
+    gguf_files: dict[str, Path],
+    model: str,
+    split: str,
+    compute_path: str,  # noqa: F811
+) -> None:
+    path = gguf_files[model]
+    chain = Chain(path, PARTITIONS[split])
+    assert_path_taken(chain, compute_path)
+    prompt_lens = [40, 9, 1]
+    seqs = random_seqs([n + 6 for n in prompt_lens], seed=2)
+    logits = drive_teacher_forced(chain, seqs, prompt_lens, chunk_size=16, stagger=1)
+    with torch.inference_mode():
+        for seq, got in zip(seqs, logits, strict=True):
+            expected = hf_gguf(path)(torch.tensor([seq])).logits[0]
+            assert (got - expected).abs().max().item() < TOLERANCE
+    prompts = random_seqs([7, 23], seed=8)
+    got_tokens = greedy_generate(chain, prompts, max_new_tokens=12, eos_ids=[TOKENIZER_EOS_ID])
+    for prompt, tokens in zip(prompts, got_tokens, strict=True):
+        with torch.inference_mode():
+            out = hf_gguf(path).generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        for step in out.logits:
+            best, second = step[0].topk(2).values.tolist()
+            assert best - second > MIN_MARGIN  # a different token is ppring's error
+        assert tokens == out.sequences[0, len(prompt) :].tolist()
+
+
+def test_the_tokenizer_comes_from_the_file(gguf_files: dict[str, Path]) -> None:
+    from launch.prepare_model import load_tokenizer
+
+    path = gguf_files["llama"]
+    folder_tokenizer = AutoTokenizer.from_pretrained(path.parent.parent / "llama-hf")
+    for text in ("The capital of France is", "日本 <|endoftext|>"):
+        assert load_tokenizer(path)(text).input_ids == folder_tokenizer(text).input_ids
+
+
+def test_a_format_not_served_is_one_sentence_naming_those_served(tmp_path: Path) -> None:
+    folder = make_tiny_llama(tmp_path / "hf", hidden=256, intermediate=512, vocab=TOKENIZER_VOCAB)
+    byte_level_tokenizer().save_pretrained(folder)
+    path = write_gguf(folder, tmp_path / "m.gguf", {"ffn_down": "Q2_K"}, default_format="F16")
+    with pytest.raises(ConfigError) as error:
+        ModelConfig.from_path(path)
+    message = str(error.value)
+    assert "Q2_K" in message and all(name in message for name in SERVED_FORMATS)
+    assert "\n" not in message
+
+
+def test_an_architecture_not_served_is_one_sentence(tmp_path: Path) -> None:
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="'gpt2' model; ppring serves GGUF files of llama"):
+        ModelConfig.from_path(tmp_path / "m.gguf")
