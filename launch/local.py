@@ -212,6 +212,7 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
     from stages.backend.cpu import native
     from stages.backend.cpu.linear import check_quantization
     from stages.dtype import resolve_dtype
+    from stages.gguf_file import formats_line, is_gguf
 
     choice = resolve_dtype(args.dtype, args.device, config.torch_dtype)
     device = torch.device(args.device)
@@ -222,6 +223,8 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         lines.append(f"warning: {choice.warning}")
     if args.quantization == "int8":
         lines.append("weights: int8, one scale per output channel (--quantization int8)")
+    if is_gguf(args.model or ""):
+        lines.append(formats_line(Path(args.model).expanduser(), choice.name))
     if device.type == "cpu":
         lines.append(f"CPU kernels: {reason}" if kernels else f"CPU kernels: off ({reason})")
         grid_line = grid_weights_line(choice.dtype, args.quantization, kernels)

@@ -205,3 +205,30 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
             weight = unpermute_rope(weight, config.num_kv_heads)
         out[name] = weight
     return out
+
+
+def formats_line(path: str | Path, dtype_name: str) -> str:
+    """The start-up summary's line for a GGUF model: each tensor group's format(s) and the
+    bytes the file holds, e.g. "attn_q Q4_K, ffn_down Q6_K+Q4_K (2 of 28 layers Q6_K)"."""
+    reader = open_gguf(path)
+    groups: dict[str, dict[str, int]] = {}
+    total = 0
+    for tensor in reader.tensors:
+        if len(tensor.shape) < 2:
+            continue  # norms and biases: F32 in every file
+        parts = tensor.name.split(".")
+        group = parts[2] if parts[0] == "blk" else parts[0]
+        kinds = groups.setdefault(group, {})
+        kinds[tensor.tensor_type.name] = kinds.get(tensor.tensor_type.name, 0) + 1
+        total += int(tensor.n_bytes)
+    described = []
+    for group, kinds in groups.items():
+        if len(kinds) == 1:
+            described.append(f"{group} {next(iter(kinds))}")
+        else:
+            described.append(f"{group} " + "+".join(f"{k} x{n}" for k, n in kinds.items()))
+    return (
+        f"GGUF weights: {', '.join(described)} ({total / 2**20:.1f} MiB of matrices in the "
+        f"file); dequantized to {dtype_name} at load (the CPU kernels for the formats "
+        "themselves are to come)"
+    )

@@ -67,6 +67,7 @@ def test_greedy_tokens_of_a_gguf_file_equal_transformers(
     server = start_local(
         "--model", str(path), "--pp-size", str(pp_size), "--dtype", "float32", *KV_ARGS
     )  # fmt: skip
+    assert b"GGUF weights: " in server.stdout  # the start-up summary's line of formats
     with Client(server.addr, timeout_s=60) as client:
         for prompt, tokens in expected.items():
             got = client.complete(prompt, max_new_tokens=NEW_TOKENS, temperature=0).token_ids

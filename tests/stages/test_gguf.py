@@ -152,3 +152,12 @@ def test_an_architecture_not_served_is_one_sentence(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ConfigError, match="'gpt2' model; ppring serves GGUF files of llama"):
         ModelConfig.from_path(tmp_path / "m.gguf")
+
+
+def test_the_start_up_line_names_each_groups_format(gguf_files: dict[str, Path]) -> None:
+    from stages.gguf_file import formats_line
+
+    line = formats_line(gguf_files["llama"], "float32")
+    for group, fmt in LLAMA_FORMATS.items():
+        assert f"{group} {fmt}" in line
+    assert "MiB of matrices" in line and "dequantized to float32" in line and "\n" not in line
