@@ -18,6 +18,9 @@ from stages.layer_spec import LayerSpec
 from stages.models import family_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# A GGUF file's rope_freqs (llama.cpp's Llama 3 scaling, a divisor per frequency): read from the
+# file (stages/gguf_file.py), never from a config.json
+FREQ_FACTORS = "freq_factors"
 
 # The dtypes a stage may compute in (protocol/dtypes.py holds their sizes).
 STAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -29,7 +32,8 @@ class RopeScaling:
     only the low frequencies, blending across [low_freq_factor, high_freq_factor]. `longrope`
     (Phi-3): frequency i divided by short_factor[i] for a sequence whose forward reaches no
     further than original_max_position_embeddings, by long_factor[i] beyond, and cos and sin
-    scaled by attention_factor."""
+    scaled by attention_factor. `freq_factors` (a GGUF file's rope_freqs): frequency i divided
+    by factors[i]."""
 
     rope_type: str
     factor: float = 1.0
@@ -39,6 +43,7 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,9 @@ def _read_rope(
             params = params["full_attention"] or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == FREQ_FACTORS and params.get("factors"):
+        factors = tuple(float(f) for f in params["factors"])
+        return theta, RopeScaling(FREQ_FACTORS, factors=factors), 1.0
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
             f"{source} uses rope_type={rope_type}, which ppring does not implement; "

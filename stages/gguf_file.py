@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stages.config import FREQ_FACTORS
 from stages.errors import ConfigError
 
 # general.architecture -> Hugging Face architecture
@@ -82,6 +83,8 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
 def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dict]:
     """(config.json, generation_config.json) as dicts, from the file's metadata; one
     ConfigError for an architecture or a tensor format ppring does not serve."""
+    import numpy as np
+
     reader = reader if reader is not None else open_gguf(path)
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -91,12 +94,6 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
         )
     check_formats(path, reader)
     names = {tensor.name for tensor in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ConfigError(
-            f"{path} holds rope_freqs (Llama 3.1's rotary scaling as per-frequency factors), "
-            "which ppring does not read from a GGUF file yet; serve the model's Hugging Face "
-            "folder"
-        )
 
     def need(key: str) -> Any:
         value = field(reader, f"{arch}.{key}")
@@ -133,7 +130,16 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
         ),
     }
     scaling = field(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        # Llama 3.x: llama.cpp's converter writes the Llama 3 scaling as one divisor per
+        # rotary frequency (the same factors transformers derives from rope_scaling)
+        raw["rope_parameters"] = {
+            "rope_type": FREQ_FACTORS,
+            "rope_theta": raw["rope_theta"],
+            "factors": [float(f) for f in np.asarray(freqs.data, dtype=np.float32).reshape(-1)],
+        }
+    elif scaling not in (None, "none"):
         if scaling != "linear":
             raise ConfigError(
                 f"{path} scales its rotary by {scaling!r}, which ppring reads from a GGUF file "

@@ -49,6 +49,26 @@ def k_quant_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> 
     return blocks.reshape(rows, -1)
 
 
+def llama3_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """Llama 3's rotary scaling as the divisor of each frequency [head_dim / 2] fp32, the
+    published rule (wavelengths past original / low_freq_factor slowed by `factor`, those
+    under original / high_freq_factor kept, a blend between), which llama.cpp writes as
+    rope_freqs."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    out = []
+    for wavelength in 2 * np.pi / inv_freq:
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            blend = (original / wavelength - low) / (high - low)
+            out.append(1.0 / ((1 - blend) / factor + blend))
+    return np.asarray(out, dtype=np.float32)
+
+
 def encode(weight: np.ndarray, fmt: str, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
     """A tensor's data in `fmt` as GGUFWriter takes it, and its type."""
     qtype = Q[fmt]
@@ -83,8 +103,12 @@ def write_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    writer.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: one divisor a frequency
+        head_dim = config["hidden_size"] // heads
+        writer.add_tensor("rope_freqs.weight", llama3_factors(rope, theta, head_dim))
     writer.add_vocab_size(config["vocab_size"])
     _add_tokenizer(writer, folder, config)
     rng = np.random.default_rng(seed)

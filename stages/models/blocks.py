@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.config import ModelConfig, RopeScaling
+from stages.config import FREQ_FACTORS, ModelConfig, RopeScaling
 from stages.inputs import ForwardInputs, on_device
 from stages.interface import CompiledLayers, GreedyFinish, LayerBackend, Ops
 from stages.kv_cache import KVCache
@@ -50,6 +50,8 @@ def rope_inv_freq(
         inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     elif scaling is not None and scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
+    elif scaling is not None and scaling.rope_type == FREQ_FACTORS:  # a GGUF's rope_freqs
+        inv_freq = inv_freq / torch.tensor(scaling.factors, dtype=torch.float32)
     elif scaling is not None:
         inv_freq = _llama3(inv_freq, scaling)
     return torch.cat((inv_freq, inv_freq.new_zeros((head_dim - dim) // 2)))

@@ -161,3 +161,39 @@ def test_the_start_up_line_names_each_groups_format(gguf_files: dict[str, Path])
     for group, fmt in LLAMA_FORMATS.items():
         assert f"{group} {fmt}" in line
     assert "MiB of matrices" in line and "dequantized to float32" in line and "\n" not in line
+
+
+def test_llama3_rope_freqs_turn_as_the_folder_s_rope_scaling(tmp_path: Path) -> None:
+    """A Llama 3.x GGUF holds its rotary scaling as rope_freqs, one divisor a frequency
+    (llama.cpp's converter): ppring's logits equal transformers' on the Hugging Face folder
+    with the same rope_scaling (whose effect is checked to be large here)."""
+    rope = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+    }  # fmt: skip
+    folder = make_tiny_llama(
+        tmp_path / "hf", hidden=256, intermediate=512, vocab=TOKENIZER_VOCAB, rope_scaling=rope
+    )
+    byte_level_tokenizer().save_pretrained(folder)
+    path = write_gguf(folder, tmp_path / "llama3.gguf", {"attn_q": "Q8_0"})
+    config = ModelConfig.from_path(path)
+    assert config.rope_scaling is not None and config.rope_scaling.rope_type == "freq_factors"
+    chain = Chain(path, [2, 2])
+    seq = random_seqs([120], seed=6)[0]
+    (got,) = drive_teacher_forced(chain, [seq], [100])
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from_gguf_weights = reference.state_dict()  # the file's Q8_0 q_proj, not the folder's
+    q_names = [n for n in from_gguf_weights if n.endswith("q_proj.weight")]
+    dequantized = stage_tensors(path, q_names, config)
+    with torch.no_grad():
+        for name in q_names:
+            from_gguf_weights[name].copy_(torch.tensor(dequantized[name]))
+        expected = reference(torch.tensor([seq])).logits[0]
+        assert (got - expected).abs().max().item() < TOLERANCE
+        reference.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+        unscaled = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, rope_parameters=reference.config.rope_parameters
+        ).eval()
+        unscaled.load_state_dict(from_gguf_weights)
+        moved = (unscaled(torch.tensor([seq])).logits[0] - expected).abs().max().item()
+    assert moved > 100 * TOLERANCE
