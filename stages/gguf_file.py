@@ -8,8 +8,10 @@ names; llama.cpp's converter reorders the rows of each q and k head of a `llama`
 rotary (pairs adjacent) and this puts them back (transformers' GGUF loader does the same).
 
 Served: the architectures in ARCHITECTURES, tensors in SERVED_FORMATS. This step dequantizes a
-stage's tensors at load (`stage_tensors`), as a GPU stage will always do; the CPU kernels that
-multiply each format from its own blocks come next (issue 51).
+stage's tensors at load (`stage_tensors`), as a GPU stage will always do; on the CPU a Q4_0,
+Q4_1 or Q8_0 matrix is then found back on its grid and held as its codes (backend/cpu/grid.py:
+the default model served from its GGUF holds all 61 matrices so), the other formats dense until
+the kernels that multiply each from its own blocks come (issue 51).
 """
 
 from __future__ import annotations
@@ -235,6 +237,7 @@ def formats_line(path: str | Path, dtype_name: str) -> str:
             described.append(f"{group} " + "+".join(f"{k} x{n}" for k, n in kinds.items()))
     return (
         f"GGUF weights: {', '.join(described)} ({total / 2**20:.1f} MiB of matrices in the "
-        f"file); dequantized to {dtype_name} at load (the CPU kernels for the formats "
-        "themselves are to come)"
+        f"file); read at load as {dtype_name} values, of which the CPU kernels hold a Q4_0, "
+        "Q4_1 or Q8_0 matrix as its codes again (each stage's line counts them); the other "
+        "formats' own kernels are to come"
     )

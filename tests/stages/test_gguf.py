@@ -160,7 +160,7 @@ def test_the_start_up_line_names_each_groups_format(gguf_files: dict[str, Path])
     line = formats_line(gguf_files["llama"], "float32")
     for group, fmt in LLAMA_FORMATS.items():
         assert f"{group} {fmt}" in line
-    assert "MiB of matrices" in line and "dequantized to float32" in line and "\n" not in line
+    assert "MiB of matrices" in line and "as float32 values" in line and "\n" not in line
 
 
 def test_llama3_rope_freqs_turn_as_the_folder_s_rope_scaling(tmp_path: Path) -> None:
