@@ -393,9 +393,10 @@ class Scheduler:
         share `prefill_budget` tokens. Returns the entries and the prefill budget left.
         """
         reqs = self.slots[slot]
-        for req in reqs:
-            if not req.rope_long and self._rope_long(req) and self._is_decode(req):
-                self._recompute_long(req)
+        if self.rope_long_from is not None:  # (LongRoPE models only)
+            for req in reqs:
+                if not req.rope_long and self._rope_long(req) and self._is_decode(req):
+                    self._recompute_long(req)
         while True:
             plan, budget = [], prefill_budget
             for req in reqs:

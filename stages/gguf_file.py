@@ -16,6 +16,7 @@ the kernels that multiply each from its own blocks come (issue 51).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,21 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path) -> Any:
-    """The file's `gguf.GGUFReader` (memory-mapped), or one ConfigError."""
-    import gguf
-
+    """The file's `gguf.GGUFReader` (memory-mapped), or one ConfigError. A process reads a
+    file's header once (its config, its summary line and its stage's tensors all ask): the
+    reader is kept while the file is the same (path, size and modification time)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} is not a file; pass --model a .gguf file or a model folder")
+    stat = path.stat()
+    return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _reader(path: Path, size: int, mtime_ns: int) -> Any:
+    """(size and mtime_ns: the cache's key, so a rewritten file is read again)"""
+    import gguf
+
     try:
         return gguf.GGUFReader(path)
     except (OSError, ValueError) as exc:

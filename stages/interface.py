@@ -179,7 +179,6 @@ class StageModel(Protocol):
     is_first_stage: bool
     is_last_stage: bool
     ops: Ops
-    inv_freq: torch.Tensor  # [d_head / 2] fp32
     rotary: RotaryTables  # what the kept decode step reads its rotary rows from
     sliding_rotary: RotaryTables | None  # the rope_local layers' (Gemma 3), or None
     embed_tokens: torch.Tensor | None

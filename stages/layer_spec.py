@@ -93,9 +93,9 @@ class LayerSpec:
 
     def describe(self) -> str:
         """The flags set, for the start-up summary ("plain" where none)."""
-        flags = [name for name in ("qkv_bias", "o_bias", "qk_norm") if getattr(self, name)]
-        if self.qk_norm_whole:
-            flags[-1] = "qk_norm_whole"
+        flags = [name for name in ("qkv_bias", "o_bias") if getattr(self, name)]
+        if self.qk_norm:
+            flags.append("qk_norm_whole" if self.qk_norm_whole else "qk_norm")
         if self.norms != "pre":
             flags.append(f"{self.norms}_norms")
         if self.norm_offset:

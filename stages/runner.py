@@ -230,9 +230,7 @@ class StageRunner(Stage):
         """Bytes of weights this stage holds (a tied matrix once; int8 weights with their
         scales; fp32 panels with their padding to 16 channels): a decode step reads them all,
         but for an untied embedding, of which it reads only its tokens' rows."""
-        tensors = list(self.model.parameters()) + [
-            b for b in self.model.buffers() if b is not self.model.inv_freq
-        ]
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def weight_bytes_read(self, rows: int) -> int:

@@ -86,16 +86,46 @@ def load_stage_weights(
     matrix_torch_dtype = to_torch_dtype(matrix_dtype or dtype)
     names = stage_tensor_names(config, start, end, lm_head)
     if is_gguf(folder):  # one file; its tensors dequantized to fp32 (stages/gguf_file.py)
-        tensors = {
-            # (copied: an F32 tensor's array is a view of the memory-mapped file)
-            name: torch.tensor(array).to(
-                device=device, dtype=matrix_torch_dtype if array.ndim == 2 else torch_dtype
-            )
-            for name, array in stage_tensors(folder, names, config).items()
-        }
-        if end == config.num_layers if lm_head is None else lm_head:
-            tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
-        return StageWeights(tensors=tensors, num_tensors_read=len(names))
+        tensors, num_read = _gguf_tensors(
+            folder, names, config, torch_dtype, matrix_torch_dtype, device
+        )
+    else:
+        tensors, num_read = _safetensors(
+            folder, names, config, torch_dtype, matrix_torch_dtype, device
+        )
+    if end == config.num_layers if lm_head is None else lm_head:
+        tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
+    return StageWeights(tensors=tensors, num_tensors_read=num_read)
+
+
+def _gguf_tensors(
+    path: Path,
+    names: list[str],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    matrix_dtype: torch.dtype,
+    device: str | torch.device,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """`names` from a GGUF file, dequantized; and how many were read."""
+    tensors = {
+        # (copied: an F32 tensor's array is a view of the memory-mapped file)
+        name: torch.tensor(array).to(
+            device=device, dtype=matrix_dtype if array.ndim == 2 else dtype
+        )
+        for name, array in stage_tensors(path, names, config).items()
+    }
+    return tensors, len(tensors)
+
+
+def _safetensors(
+    folder: Path,
+    names: list[str],
+    config: ModelConfig,
+    torch_dtype: torch.dtype,
+    matrix_torch_dtype: torch.dtype,
+    device: str | torch.device,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """`names` from a folder's safetensors files; and how many were read."""
     locations = _tensor_locations(folder)
     by_file: dict[Path, list[str]] = {}
     for name in names:
@@ -117,9 +147,7 @@ def load_stage_weights(
                 wanted = matrix_torch_dtype if fp32_source else torch_dtype
                 tensors[name] = tensor.to(device=device, dtype=wanted, copy=True)
                 num_read += 1
-    if end == config.num_layers if lm_head is None else lm_head:
-        tensors[LM_HEAD] = tensors[EMBED if config.tie_word_embeddings else LM_HEAD]
-    return StageWeights(tensors=tensors, num_tensors_read=num_read)
+    return tensors, num_read
 
 
 def _tensor_locations(folder: Path) -> dict[str, Path]:

@@ -43,11 +43,12 @@ def rope_inv_freq(
     only `rotary_dim` dims: its rotary_dim/2 frequencies come first, then zeros (an angle of
     0: cos 1 and sin 0, the dim passes through: `rotary_order`)."""
     dim = head_dim if rotary_dim is None else rotary_dim
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelengths = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # [dim/2]
+    inv_freq = 1.0 / wavelengths
     if scaling is not None and scaling.rope_type == "longrope":
         # transformers' order of operations: 1 / (factors * theta ** (2i / dim))
         factors = torch.tensor(scaling.long_factor if long else scaling.short_factor)
-        inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        inv_freq = 1.0 / (factors * wavelengths)
     elif scaling is not None and scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling is not None and scaling.rope_type == FREQ_FACTORS:  # a GGUF's rope_freqs
@@ -170,7 +171,9 @@ class DecoderLayer(nn.Module):
         self.window = config.window_of(layer_index)  # 0: the layer sees every position
         self.softcap = spec.attn_softcap  # > 0: Gemma 2's attention logit soft-capping
         self.activation = spec.activation
-        self.act_mul = backend.ops.gelu_tanh_mul if spec.activation == "gelu_tanh" else None
+        # the MLP's gate: SwiGLU's silu, or Gemma's GeGLU
+        gelu = spec.activation == "gelu_tanh"
+        self.act_mul = backend.ops.gelu_tanh_mul if gelu else backend.ops.silu_mul
         # Gemma 3's windowed layers turn at their own rotary (the stage's second tables)
         self.rope_local = bool(self.window) and config.sliding_rope_theta is not None
         # Where the norms sit (stages/layer_spec.py `norms`); None where the layer lacks one.
@@ -295,9 +298,7 @@ class DecoderLayer(nn.Module):
             x, residual = ops.add_rms_norm(h, residual, self.post_attn_norm, eps, True)
         else:  # the MLP reads the stream itself
             x = residual = ops.add(h, residual, True)
-        gate_up = self.gate_up_proj(x)
-        act = ops.silu_mul(gate_up) if self.act_mul is None else self.act_mul(gate_up)
-        h = self.down_proj(act)
+        h = self.down_proj(self.act_mul(self.gate_up_proj(x)))
         if self.mlp_out_norm is not None:
             h, _ = ops.add_rms_norm(h, None, self.mlp_out_norm, eps, True)
         return h, residual
@@ -336,7 +337,6 @@ class CausalLMStage(nn.Module):
         # None: one Python call per op, as DecoderLayer.forward.
         self.fused: CompiledLayers | None = backend.compile_layers(list(self.layers), self.dtype)
         self.rotary = Rotary(config, self.device)
-        self.inv_freq = self.rotary.inv_freq  # [d/2]
         # Gemma 3's windowed layers' rotary, where some layer of this stage turns at it
         self.sliding_rotary: Rotary | None = None
         if any(layer.rope_local for layer in self.layers):
@@ -386,6 +386,11 @@ class CausalLMStage(nn.Module):
         self.embed_tokens: nn.Parameter | None = (
             None if embed is None or head_serves_lookup else _param(embed.to(self.dtype))
         )
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """[d/2] fp32: the rotary's frequencies (the windowed layers' are sliding_rotary's)."""
+        return self.rotary.inv_freq
 
     def forward(
         self,
