@@ -7,11 +7,11 @@ goes through the same family checks as a folder. Tensor names map to Hugging Fac
 names; llama.cpp's converter reorders the rows of each q and k head of a `llama` model for its
 rotary (pairs adjacent) and this puts them back (transformers' GGUF loader does the same).
 
-Served: the architectures in ARCHITECTURES, tensors in SERVED_FORMATS. This step dequantizes a
-stage's tensors at load (`stage_tensors`), as a GPU stage will always do; on the CPU a Q4_0,
-Q4_1 or Q8_0 matrix is then found back on its grid and held as its codes (backend/cpu/grid.py:
-the default model served from its GGUF holds all 61 matrices so), the other formats dense until
-the kernels that multiply each from its own blocks come (issue 51).
+Served: the architectures in ARCHITECTURES, tensors in SERVED_FORMATS. A quantized matrix is
+read as its rows of blocks (stages/gguf_matrix.py GgufMatrix), and the backend decides what it
+holds: the CPU kernels hold a Q4_0, Q4_1, Q5_0 or Q8_0 matrix as its codes, read straight from
+the blocks (the default model served from its GGUF holds all 61 matrices so); the k-quants and
+every GPU stage take the dequantized values.
 """
 
 from __future__ import annotations
@@ -198,12 +198,20 @@ def unpermute_rope(weight: Any, num_heads: int) -> Any:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
+# formats a stage reads as values (numpy arrays); the rest stay blocks (stages/gguf_matrix.py)
+DENSE_FORMATS = ("F32", "F16", "BF16")
+
+
 def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, Any]:
-    """The tensors of Hugging Face names `names`, each dequantized to an fp32 numpy array
-    shaped as a torch Linear weight ([out, in]), q and k in HF's row order; one ConfigError
-    naming a tensor the file lacks."""
+    """The tensors of Hugging Face names `names`, shaped as a torch Linear weight ([out, in]),
+    q and k in HF's row order: an F32, F16 or BF16 tensor as an fp32 numpy array, a quantized
+    matrix as a `GgufMatrix` of its blocks (uint8 [out, row bytes], a copy: the file is
+    memory-mapped). One ConfigError naming a tensor the file lacks."""
     import gguf
     import numpy as np
+    import torch
+
+    from stages.gguf_matrix import GgufMatrix
 
     reader = open_gguf(path)
     arch = field(reader, "general.architecture")
@@ -213,14 +221,20 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
         tensor = by_name.get(name)
         if tensor is None:
             raise ConfigError(f"{path} lacks the tensor for {name}; re-convert the file")
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = np.asarray(weight, dtype=np.float32).reshape(
-            tuple(int(n) for n in reversed(tensor.shape))
-        )
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # [out, in] (or [d])
+        kind = tensor.tensor_type.name
+        if kind in DENSE_FORMATS:
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = np.asarray(weight, dtype=np.float32).reshape(shape)
+        else:  # rows of blocks: [out, row bytes]
+            weight = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
         if arch == "llama" and ".self_attn.q_proj." in name:
             weight = unpermute_rope(weight, config.num_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             weight = unpermute_rope(weight, config.num_kv_heads)
+        if kind not in DENSE_FORMATS:
+            blocks = torch.from_numpy(np.ascontiguousarray(weight))
+            weight = GgufMatrix.of(kind, blocks, shape[1])
         out[name] = weight
     return out
 
@@ -247,7 +261,7 @@ def formats_line(path: str | Path, dtype_name: str) -> str:
             described.append(f"{group} " + "+".join(f"{k} x{n}" for k, n in kinds.items()))
     return (
         f"GGUF weights: {', '.join(described)} ({total / 2**20:.1f} MiB of matrices in the "
-        f"file); read at load as {dtype_name} values, of which the CPU kernels hold a Q4_0, "
-        "Q4_1 or Q8_0 matrix as its codes again (each stage's line counts them); the other "
-        "formats' own kernels are to come"
+        f"file); the CPU kernels hold a Q4_0, Q4_1, Q5_0 or Q8_0 matrix as its codes, read "
+        f"from the blocks (each stage's line counts them), the other formats as {dtype_name} "
+        "values"
     )

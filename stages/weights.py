@@ -17,6 +17,7 @@ from safetensors import safe_open
 from stages.config import STAGE_DTYPES, ModelConfig
 from stages.errors import ConfigError
 from stages.gguf_file import is_gguf, stage_tensors
+from stages.gguf_matrix import GgufMatrix
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -85,7 +86,7 @@ def load_stage_weights(
     torch_dtype = to_torch_dtype(dtype)
     matrix_torch_dtype = to_torch_dtype(matrix_dtype or dtype)
     names = stage_tensor_names(config, start, end, lm_head)
-    if is_gguf(folder):  # one file; its tensors dequantized to fp32 (stages/gguf_file.py)
+    if is_gguf(folder):  # one file: its quantized matrices as blocks (stages/gguf_file.py)
         tensors, num_read = _gguf_tensors(
             folder, names, config, torch_dtype, matrix_torch_dtype, device
         )
@@ -106,14 +107,16 @@ def _gguf_tensors(
     matrix_dtype: torch.dtype,
     device: str | torch.device,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """`names` from a GGUF file, dequantized; and how many were read."""
-    tensors = {
+    """`names` from a GGUF file, and how many were read: a quantized matrix as its blocks (a
+    GgufMatrix the backend decides how to hold), the rest as tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in stage_tensors(path, names, config).items():
+        if isinstance(value, GgufMatrix):
+            tensors[name] = value.on(torch.device(device))  # type: ignore[assignment]
+            continue
         # (copied: an F32 tensor's array is a view of the memory-mapped file)
-        name: torch.tensor(array).to(
-            device=device, dtype=matrix_dtype if array.ndim == 2 else dtype
-        )
-        for name, array in stage_tensors(path, names, config).items()
-    }
+        wanted = matrix_dtype if value.ndim == 2 else dtype
+        tensors[name] = torch.tensor(value).to(device=device, dtype=wanted)
     return tensors, len(tensors)
 
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from stages.config import ModelConfig
 from stages.errors import ConfigError
 from stages.gguf_file import SERVED_FORMATS, hf_name, open_gguf, stage_tensors
+from stages.gguf_matrix import GgufMatrix
 from tests.stages.conftest import Chain, drive_teacher_forced, greedy_generate
 from tests.stages.test_families import assert_path_taken, compute_path  # noqa: F401
 from tests.stages.test_parity import random_seqs
@@ -72,7 +73,8 @@ def test_every_format_loads_as_the_package_dequantizes_it(
     gguf_files: dict[str, Path], model: str
 ) -> None:
     """Bit for bit the gguf package's dequantization (transformers' too), q and k in Hugging
-    Face's row order where the file is a llama's."""
+    Face's row order where the file is a llama's (a quantized matrix's rows of blocks moved
+    as whole rows)."""
     path = gguf_files[model]
     reader = open_gguf(path)
     config = ModelConfig.from_path(path)
@@ -81,6 +83,9 @@ def test_every_format_loads_as_the_package_dequantizes_it(
         name = hf_name(tensor.name)
         assert name is not None
         (got,) = stage_tensors(path, [name], config).values()
+        if isinstance(got, GgufMatrix):  # a quantized matrix stays its blocks
+            assert got.formats == (tensor.tensor_type.name,)
+            got = got.dequantize().numpy()
         expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if model == "llama" and ("q_proj" in name or "k_proj" in name):
             heads = config.num_heads if "q_proj" in name else config.num_kv_heads
@@ -187,7 +192,7 @@ def test_llama3_rope_freqs_turn_as_the_folder_s_rope_scaling(tmp_path: Path) -> 
     dequantized = stage_tensors(path, q_names, config)
     with torch.no_grad():
         for name in q_names:
-            from_gguf_weights[name].copy_(torch.tensor(dequantized[name]))
+            from_gguf_weights[name].copy_(dequantized[name].dequantize())
         expected = reference(torch.tensor([seq])).logits[0]
         assert (got - expected).abs().max().item() < TOLERANCE
         reference.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}

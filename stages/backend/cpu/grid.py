@@ -53,7 +53,7 @@ def find_grid(weight: torch.Tensor, kernels: NativeKernels) -> GridCodes | None:
     """`weight` [N, K] fp32 as Q4_1 codes, else as Q8_0 codes, in the fp32 kernel's layout;
     None if it lies on neither grid."""
     found = find_codes(weight, kernels)
-    return None if found is None else _pack(found, out_features=weight.shape[0])
+    return None if found is None else pack_codes(found, out_features=weight.shape[0])
 
 
 def find_codes(weight: torch.Tensor, kernels: NativeKernels) -> Found | None:
@@ -107,7 +107,8 @@ def _panels(t: torch.Tensor, rows: int) -> torch.Tensor:
     return padded.reshape(rows // PANEL, PANEL, t.shape[1]).transpose(1, 2).contiguous()
 
 
-def _pack(found: Found, out_features: int) -> GridCodes:
+def pack_codes(found: Found, out_features: int) -> GridCodes:
+    """The codes in the fp32 kernel's layout (GridCodes; csrc/ documents it)."""
     bits, q, d, m = found.bits, found.q, found.d, found.m
     rows = -(-out_features // PANEL) * PANEL
     scale = _panels(d, rows)  # [P, K/32, 16]

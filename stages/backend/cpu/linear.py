@@ -54,6 +54,7 @@ stage by device, dtype and quantization, so a layer only calls `proj(x)`.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ from stages.backend.switches import (
 )
 from stages.backend.torch.linear import DenseLinear
 from stages.errors import ConfigError
+from stages.gguf_matrix import GgufMatrix
 
 QUANTIZATIONS = ("none", "int8")
 
@@ -415,8 +417,10 @@ def make_linear(
     that a weight on a GGUF grid can be found and held as its codes. `kernels` None means they
     are not available (or not wanted: a GPU stage). `switches`: the backend's (None: read from
     the environment now)."""
-    dtype = dtype or weight.dtype
     switches = switches or Switches.read()
+    if isinstance(weight, GgufMatrix):
+        return _gguf_linear(weight, quantization, kernels, dtype or torch.float32, switches)
+    dtype = dtype or weight.dtype
     grids = switches.grid_weights
     on_cpu = kernels is not None and weight.device.type == "cpu"
     if quantization == "int8":
@@ -430,6 +434,38 @@ def make_linear(
         module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
         return module
     return DenseLinear(weight.to(dtype))
+
+
+def _gguf_linear(
+    weight: GgufMatrix,
+    quantization: str,
+    kernels: NativeKernels | None,
+    dtype: torch.dtype,
+    switches: Switches,
+) -> nn.Module:
+    """The module for a matrix as its GGUF file's blocks: on the CPU kernels a Q4_0, Q4_1, Q5_0
+    or Q8_0 matrix held as its codes, read from the blocks (no fp32 copy, no search); anything
+    else from its dequantized values, as make_linear holds a checkpoint's."""
+    codes = weight.legacy_codes()
+    on_cpu = kernels is not None and weight.device.type == "cpu" and quantization == "none"
+    if on_cpu and codes is not None and switches.grid_weights:
+        assert kernels is not None
+        found = grid.Found(codes.bits, codes.q, codes.d, codes.m)
+        if dtype == torch.float32:
+            return GridLinear(grid.pack_codes(found, weight.out_features), kernels)
+        if dtype == torch.bfloat16 and kernels.bf16_dot:
+            way = bf16_grid_way(kernels, switches.grid_activations)
+            module: nn.Module | None = None
+            if way in A8_PASSES:
+                quads = grid.pack_quads(found, weight.out_features)
+                module = GridA8Linear(quads, kernels, A8_PASSES[way])
+            else:
+                module = _grid_bf16_linear(found, weight.dequantize(), kernels)
+            if module is not None:
+                module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
+                return module
+    dense = weight.dequantize()  # [N, K] fp32: the file's values
+    return make_linear(dense, quantization, kernels, dtype, replace(switches, grid_weights=False))
 
 
 def source_dtype(
