@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         f"ppring bench step: {model_dir.name}, {args.dtype} ({choice.reason}), "
         f"weights {args.quantization if args.quantization != 'none' else 'unquantized'}, "
         f"on {device}, {args.threads} threads; "
-        f"weights {weight_bytes / 1e9:.2f} GB held ({read_summary(read_bytes)}), "
+        f"weights {weight_bytes / 1e9:.2f} GB held ({read_summary(read_bytes)}; matrices "
+        f"{formats_summary(runner.weight_bytes_by_format())}), "
         f"KV {kv_per_token / 1024:.0f} KiB/token; "
         f"copy bandwidth {start_bandwidth / 1e9:.1f} GB/s at start ({copy_mib} MiB, read + "
         "write; each batch's bounds use copies among its own steps); "
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(device),
         "threads": args.threads,
         "weight_bytes": weight_bytes,
+        "weight_bytes_by_format": runner.weight_bytes_by_format(),
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": round(start_bandwidth),  # at start-up; rows: their own
         "copy_mib": copy_mib,
@@ -374,6 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     print(f"\nwrote {path} ({result['wall_s']:.0f} s)")
     return 0
+
+
+def formats_summary(held: dict[str, int]) -> str:
+    """ "Q4_K 40.1 MiB + Q6_K 12.0 MiB + bf16 panels 1.0 MiB": what the matrices are held as."""
+    parts = sorted(held.items(), key=lambda item: -item[1])
+    return " + ".join(f"{kind} {num / 2**20:.1f} MiB" for kind, num in parts) or "none"
 
 
 def read_summary(read_bytes: dict[int, int]) -> str:

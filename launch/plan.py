@@ -22,6 +22,7 @@ from pathlib import Path
 from protocol.dtypes import dtype_bytes, spellings
 from stages.config import ModelConfig, read_config_json
 from stages.errors import ConfigError
+from stages.gguf_file import is_gguf, matrix_formats
 from stages.partition import imbalance_loss, partition_layers
 
 KiB = 1024
@@ -58,6 +59,9 @@ class PlanModel:
     name: str
     config: ModelConfig
     dtype: str
+    # a GGUF file's matrices: its tensor groups' formats and bytes (render says that a GPU
+    # stage dequantizes them to `dtype` at load, which is what plan sizes); None otherwise
+    gguf_formats: tuple[str, int] | None = None
 
 
 # The config.json fields a preset states, in the order _preset takes them (head_dim is
@@ -545,12 +549,17 @@ def check_inputs(hw: Hardware, context_len: int, num_tokens: int) -> None:
 
 
 def load_model(spec: str, dtype: str | None = None) -> PlanModel:
-    """A preset by name (any case), a Hugging Face model folder, or a config.json path."""
+    """A preset by name (any case), a Hugging Face model folder, a config.json path, or a GGUF
+    file (sized as a GPU holds it: dequantized to `dtype`, bf16 by default)."""
     presets = {name.lower(): model for name, model in PRESETS.items()}
     if spec.lower() in presets:
         model = presets[spec.lower()]
         return model if dtype is None else replace(model, dtype=dtype)
     path = Path(spec)
+    if is_gguf(path) and path.is_file():
+        cfg = ModelConfig.from_path(path)
+        model_dtype = dtype or "bfloat16"  # what a GPU stage dequantizes the file to
+        return PlanModel(path.stem, cfg, model_dtype, matrix_formats(path))
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         what = "a folder without config.json" if path.is_dir() else "not an existing file or folder"
@@ -575,7 +584,12 @@ def report_json(report: Report) -> dict[str, object]:
     """The report as --json prints it; the model as its name, shape fields and dtype."""
     model = report.model
     shape = {field: getattr(model.config, field) for field in SHAPE_FIELDS}
-    return {**asdict(report), "model": {"name": model.name, **shape, "dtype": model.dtype}}
+    described = {"dtype": model.dtype}
+    if model.gguf_formats:
+        described["gguf_formats"], described["gguf_matrix_bytes"] = model.gguf_formats
+    out = asdict(report)
+    out["model"] = {"name": model.name, **shape, **described}
+    return out
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -626,6 +640,14 @@ def render(report: Report) -> str:
         f"model     {m.name}: L={shape.num_layers}, d={shape.hidden_size}, "
         f"{shape.num_heads} heads, {shape.num_kv_heads} KV heads, head_dim {shape.head_dim}, "
         f"{m.dtype}",
+        *(
+            [
+                f"          GGUF: {m.gguf_formats[0]} ({format_bytes(m.gguf_formats[1])} of "
+                f"matrices in the file), dequantized to {m.dtype} at load on a GPU, as sized here"
+            ]
+            if m.gguf_formats
+            else []
+        ),
         f"          {format_bytes(report.weight_bytes)} of weights; KV "
         f"{format_bytes(report.kv_bytes_per_token_per_layer)}/token/layer, "
         f"{format_bytes(report.kv_bytes_per_token)}/token for all {shape.num_layers} layers "

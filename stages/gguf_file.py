@@ -239,15 +239,15 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
     return out
 
 
-def formats_line(path: str | Path, dtype_name: str) -> str:
-    """The start-up summary's line for a GGUF model: each tensor group's format(s) and the
-    bytes the file holds, e.g. "attn_q Q4_K, ffn_down Q6_K+Q4_K (2 of 28 layers Q6_K)"."""
+def matrix_formats(path: str | Path) -> tuple[str, int]:
+    """Each tensor group's format(s), e.g. "attn_q Q4_K, ffn_down Q6_K x2+Q4_K x26", and the
+    bytes the file holds of matrices (norms and biases, F32 in every file, left out)."""
     reader = open_gguf(path)
     groups: dict[str, dict[str, int]] = {}
     total = 0
     for tensor in reader.tensors:
         if len(tensor.shape) < 2:
-            continue  # norms and biases: F32 in every file
+            continue
         parts = tensor.name.split(".")
         group = parts[2] if parts[0] == "blk" else parts[0]
         kinds = groups.setdefault(group, {})
@@ -259,9 +259,16 @@ def formats_line(path: str | Path, dtype_name: str) -> str:
             described.append(f"{group} {next(iter(kinds))}")
         else:
             described.append(f"{group} " + "+".join(f"{k} x{n}" for k, n in kinds.items()))
+    return ", ".join(described), total
+
+
+def formats_line(path: str | Path, dtype_name: str) -> str:
+    """The start-up summary's line for a GGUF model: each tensor group's format(s) and the
+    bytes the file holds, and what the stages hold of them."""
+    described, total = matrix_formats(path)
     return (
-        f"GGUF weights: {', '.join(described)} ({total / 2**20:.1f} MiB of matrices in the "
-        f"file); the CPU kernels hold a Q4_0, Q4_1, Q5_0 or Q8_0 matrix as its codes, read "
-        f"from the blocks (each stage's line counts them), the other formats as {dtype_name} "
-        "values"
+        f"GGUF weights: {described} ({total / 2**20:.1f} MiB of matrices in the file); the CPU "
+        "kernels hold Q4_0, Q4_1, Q5_0 and Q8_0 as codes read from the blocks, and Q4_K, Q5_K "
+        f"and Q6_K too in bf16 (each stage's line says how many, in MiB); the rest as "
+        f"{dtype_name} values"
     )

@@ -20,6 +20,8 @@ import torch
 BLOCK = 32  # weights per block of the legacy formats (Q4_0, Q4_1, Q5_0, Q8_0)
 # bytes per block of 32 weights: fp16 d (and m), then the codes (Q5_0: 4 bytes of fifth bits)
 _LEGACY_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+# bytes per super-block of 256 weights of the k-quants ppring multiplies from their codes
+K_QUANT_BLOCKS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,19 @@ class LegacyCodes:
     q: torch.Tensor  # int8 [N, K]
     d: torch.Tensor  # fp32 [N, K / 32], each an fp16 number
     m: torch.Tensor | None  # fp32 [N, K / 32] (4 bits), each an fp16 number; None (8 bits)
+
+
+@dataclass(frozen=True)
+class KQuantCodes:
+    """A k-quant matrix [N, K] as unsigned codes and fp32 scales: Q4_K and Q5_K w = d q + m
+    (d, m per 32 weights), Q6_K w = d (q - 32) (d per 16). d and m are what the `gguf` package
+    computes from a super-block's fp16 scales and 6- or 8-bit sub-scales, so d q + m (two
+    roundings) and d (q - 32) are its dequantization, bit for bit."""
+
+    format: str  # "Q4_K", "Q5_K" or "Q6_K"
+    q: torch.Tensor  # uint8 [N, K]: 0..15, 0..31 or 0..63
+    d: torch.Tensor  # fp32 [N, K / 32] (Q6_K: [N, K / 16])
+    m: torch.Tensor | None  # fp32 [N, K / 32] (Q6_K: None)
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,23 @@ class GgufMatrix:
             return _join(args[0])
         return func(*_dense(args), **_dense(kwargs))
 
+    def k_quant_codes(self) -> KQuantCodes | None:
+        """The codes of a matrix all of whose parts are Q6_K, or all Q4_K or Q5_K (Q4_K rows
+        held as Q5_K's, their fifth bits zero), read from the blocks; else None."""
+        formats = set(self.formats)
+        if (
+            not formats
+            or not formats <= set(K_QUANT_BLOCKS)
+            or ("Q6_K" in formats) != (formats == {"Q6_K"})
+        ):
+            return None
+        codes = [_k_quant_codes(part, self.in_features) for part in self.parts]
+        fmt = "Q6_K" if formats == {"Q6_K"} else "Q5_K" if "Q5_K" in formats else "Q4_K"
+        if len(codes) == 1:
+            return codes[0]
+        m = None if fmt == "Q6_K" else torch.cat([c.m for c in codes])  # type: ignore[misc]
+        return KQuantCodes(fmt, torch.cat([c.q for c in codes]), torch.cat([c.d for c in codes]), m)
+
     def legacy_codes(self) -> LegacyCodes | None:
         """The codes of a matrix all of whose parts are Q4_0, Q4_1 (4 bits) or all Q5_0, Q8_0
         (8 bits), as the grid kernels hold them, read from the blocks; else None."""
@@ -174,6 +206,50 @@ def _legacy_codes(part: GgufPart, k: int) -> LegacyCodes | None:
     fifth = (word[..., None] >> torch.arange(BLOCK, dtype=torch.int32)) & 1  # [N, K / 32, 32]
     q = _nibbles(raw[..., 6:]).to(torch.int32) | fifth << 4
     return LegacyCodes(8, (q - 16).to(torch.int8).reshape(n, k), d, None)
+
+
+def _k_quant_codes(part: GgufPart, k: int) -> KQuantCodes:
+    """One Q4_K, Q5_K or Q6_K part's codes, as the `gguf` package's dequantize_blocks reads
+    them (the same steps, stopped before the codes become floats)."""
+    import gguf
+    import numpy as np
+
+    n = part.blocks.shape[0]
+    blocks = part.blocks.numpy().reshape(-1, K_QUANT_BLOCKS[part.format])  # [N K / 256, bytes]
+    count = blocks.shape[0]
+    if part.format == "Q6_K":  # ql[128] qh[64] scales[16] (int8) d (fp16)
+        ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
+        sub = scales.view(np.int8).astype(np.float32)
+        d_sub = d.view(np.float16).astype(np.float32) * sub  # [count, 16]
+        low = (ql.reshape(count, -1, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+        high = (
+            qh.reshape(count, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        ) & 3
+        q = low.reshape(count, -1, 32) | (high.reshape(count, -1, 32) << 4)  # [count, 8, 32]
+        return KQuantCodes(
+            "Q6_K",
+            torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+            torch.from_numpy(np.ascontiguousarray(d_sub).reshape(n, k // 16)),
+            None,
+        )
+    d, dmin, scales = blocks[:, 0:2], blocks[:, 2:4], blocks[:, 4:16]
+    sc, mins = gguf.quants.Q4_K.get_scale_min(scales)  # [count, 8] each
+    d_sub = d.view(np.float16).astype(np.float32) * sc.astype(np.float32)  # [count, 8]
+    m_sub = -(dmin.view(np.float16).astype(np.float32) * mins.astype(np.float32))
+    qs = blocks[:, -128:]
+    q = (qs.reshape(count, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    q = q.reshape(count, 8, 32)
+    if part.format == "Q5_K":  # d dmin scales[12] qh[32] qs[128]
+        qh = blocks[:, 16:48].reshape(count, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+            1, 1, 8, 1
+        )
+        q = q | ((qh & 1).reshape(count, 8, 32) << 4)
+    return KQuantCodes(
+        part.format,
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)),
+        torch.from_numpy(np.ascontiguousarray(d_sub).reshape(n, k // 32)),
+        torch.from_numpy(np.ascontiguousarray(m_sub).reshape(n, k // 32)),
+    )
 
 
 def _join(matrices: list[GgufMatrix]) -> GgufMatrix:

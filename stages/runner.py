@@ -16,7 +16,7 @@ import torch
 from protocol.sampling import SamplingParams
 from stages.backend import Backend
 from stages.backend.cpu.kept_decode import CpuDecodeStep
-from stages.backend.cpu.linear import bytes_unread, describe_matrices
+from stages.backend.cpu.linear import bytes_unread, describe_matrices, held_bytes
 from stages.backend.cuda import triton_attention
 from stages.backend.cuda.graphs import (
     CudaRecorder,
@@ -232,6 +232,11 @@ class StageRunner(Stage):
         but for an untied embedding, of which it reads only its tokens' rows."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def weight_bytes_by_format(self) -> dict[str, int]:
+        """Of parameter_bytes, the matrices' bytes by how they are held (a GGUF format's codes,
+        bf16 or fp32 panels, int8, torch's dtype): stages/backend/cpu/linear.py held_bytes."""
+        return held_bytes(list(self.model.modules()))
 
     def weight_bytes_read(self, rows: int) -> int:
         """Of parameter_bytes, what a forward of `rows` rows reads: a matrix held both as

@@ -56,6 +56,8 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
     assert result["copy_bandwidth_bytes_per_s"] > 0
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     assert result["cuda_graph_sizes"] == []  # graphs are for CUDA stages
+    held = result["weight_bytes_by_format"]  # the matrices, packed for the fp32 kernels
+    assert list(held) == ["fp32 panels"] and 0 < held["fp32 panels"] < result["weight_bytes"]
     assert not any(r["cuda_graph"] for r in result["rows"])
     for row in result["rows"]:
         # 3 steps in 2 rounds: a copy before each round and one after the last; the bounds
@@ -87,6 +89,11 @@ def test_the_header_says_what_each_batch_reads():
     assert step_bench.read_summary({1: 10**8, 32: 27 * 10**7}) == (
         "GB read per step by batch: 1: 0.10, 32: 0.27"
     )
+
+
+def test_the_header_says_what_the_matrices_are_held_as():
+    held = {"bf16 panels": 2**20, "Q4_K": 40 * 2**20, "Q6_K": 12 * 2**20}
+    assert step_bench.formats_summary(held) == "Q4_K 40.0 MiB + Q6_K 12.0 MiB + bf16 panels 1.0 MiB"
 
 
 def test_bench_step_refuses_bad_arguments(capsys):

@@ -246,3 +246,24 @@ def test_qwen_presets_count_their_published_parameters_with_what_their_family_ad
     qwen3 = plan.PRESETS["Qwen3-8B"].config
     as_llama = plan.layer_params_per_gpu(replace(qwen3, layer_spec=LayerSpec()), 1)
     assert plan.layer_params_per_gpu(qwen3, 1) == as_llama + 2 * qwen3.head_dim  # q, k norms
+
+
+def test_a_gguf_file_is_sized_as_a_gpu_holds_it_and_its_formats_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.tiny_families import TOKENIZER_VOCAB, byte_level_tokenizer
+    from tests.tiny_gguf import write_gguf
+    from tests.tiny_llama import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path / "hf", hidden=256, intermediate=512, vocab=TOKENIZER_VOCAB)
+    byte_level_tokenizer().save_pretrained(folder)
+    formats = {"attn_q": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+    path = write_gguf(folder, tmp_path / "m.gguf", formats, default_format="F16")
+    code, out, _ = run(["--model", str(path), "--gpus", "2", "--json"], capsys)
+    assert code == 0
+    model = json.loads(out)["model"]
+    assert (model["num_layers"], model["hidden_size"], model["dtype"]) == (4, 256, "bfloat16")
+    assert "attn_q Q4_K" in model["gguf_formats"] and "ffn_down Q6_K" in model["gguf_formats"]
+    assert 0 < model["gguf_matrix_bytes"] < path.stat().st_size
+    code, out, _ = run(["--model", str(path), "--gpus", "2"], capsys)
+    assert code == 0 and "GGUF: " in out and "dequantized to bfloat16 at load on a GPU" in out

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stages.backend.switches import GRID_WEIGHTS_ENV
 from stages.config import ModelConfig
 from stages.errors import ConfigError
 from stages.gguf_file import SERVED_FORMATS, hf_name, open_gguf, stage_tensors
@@ -34,6 +35,12 @@ LLAMA_FORMATS = {
     "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "F16",
     "output": "BF16",
 }  # fmt: skip
+# A k-quant in every matrix, each of a layer's joins in one layout (q/k/v Q5_K and Q4_K: Q5_K)
+LLAMA_K_FORMATS = {
+    "attn_q": "Q5_K", "attn_k": "Q4_K", "attn_v": "Q5_K", "attn_output": "Q6_K",
+    "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K",
+    "output": "Q4_K",
+}  # fmt: skip
 QWEN2_FORMATS = {
     "attn_q": "Q8_0", "attn_k": "Q6_K", "attn_v": "Q4_K", "attn_output": "Q5_K",
     "ffn_gate": "Q4_1", "ffn_up": "Q5_0", "ffn_down": "Q4_0", "token_embd": "Q8_0",
@@ -44,7 +51,13 @@ QWEN2_FORMATS = {
 def gguf_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """name -> a GGUF file in a folder of its own (transformers loads it as folder + name)."""
     formats = {"llama": LLAMA_FORMATS, "qwen2": QWEN2_FORMATS}
-    return tiny_gguf_pair(tmp_path_factory.mktemp("gguf"), formats, seeds=(3, 4, 5))
+    root = tmp_path_factory.mktemp("gguf")
+    files = tiny_gguf_pair(root, formats, seeds=(3, 4, 5))
+    (root / "llama-k").mkdir()  # the Llama again, every matrix a k-quant
+    files["llama-k"] = write_gguf(
+        root / "llama-hf", root / "llama-k" / "llama-k.gguf", LLAMA_K_FORMATS, seed=6
+    )
+    return files
 
 
 _HF: dict[Path, torch.nn.Module] = {}
@@ -202,3 +215,76 @@ def test_llama3_rope_freqs_turn_as_the_folder_s_rope_scaling(tmp_path: Path) -> 
         unscaled.load_state_dict(from_gguf_weights)
         moved = (unscaled(torch.tensor([seq])).logits[0] - expected).abs().max().item()
     assert moved > 100 * TOLERANCE
+
+
+BF16_TOLERANCE = 0.02  # as test_families': the tiny models' logits are O(0.1)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_bfloat16_multiplies_the_codes_and_stays_close_to_transformers(
+    gguf_files: dict[str, Path],
+    model: str,
+    compute_path: str,  # noqa: F811
+) -> None:
+    """A bf16 stage holds each matrix whose parts share a layout as codes read from the blocks
+    (the k-quants too), on every CPU path; the logits stay within bf16's reach of
+    transformers' fp32 ones from the same file."""
+    path = gguf_files[model]
+    chain = Chain(path, [2, 2], dtype="bfloat16")
+    assert_path_taken(chain, compute_path)
+    layer = chain.stages[1].model.layers[0]
+    held = {
+        name: getattr(getattr(layer, f"{name}_proj"), "grid", None)
+        for name in ("qkv", "o", "gate_up", "down")
+    }
+    if compute_path == "torch":
+        assert all(grid is None for grid in held.values())
+    elif model == "llama":  # q Q4_0, k Q4_1, v Q5_0: no one width; gate Q4_K + up Q5_K
+        assert held["qkv"] is None and held["o"].name == "Q8_0"
+        assert (held["gate_up"].name, held["down"].name) == ("Q5_K", "Q6_K")
+    else:  # q Q8_0, k Q6_K, v Q4_K; gate Q4_1 + up Q5_0: 4 bits and 8
+        assert held["qkv"] is None and held["gate_up"] is None
+        assert (held["o"].name, held["down"].name) == ("Q5_K", "Q4_1")
+    prompt_lens = [30, 9]
+    seqs = random_seqs([n + 5 for n in prompt_lens], seed=5)
+    logits = drive_teacher_forced(chain, seqs, prompt_lens)
+    with torch.inference_mode():
+        for seq, got in zip(seqs, logits, strict=True):
+            expected = hf_gguf(path)(torch.tensor([seq])).logits[0]
+            assert (got.float() - expected).abs().max().item() < BF16_TOLERANCE
+
+
+def test_a_k_quant_model_runs_its_codes_fused_as_call_by_call(
+    gguf_files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every matrix a k-quant held as its codes: the layers in one C call (one team, the
+    quantized rows shared) give the call-by-call results bit for bit; their distance from
+    transformers' fp32 logits is about bf16's own (the dequantized weights in bf16 panels)."""
+    from stages.backend.cpu import fused_layer
+
+    path = gguf_files["llama-k"]
+    prompt_lens = [24, 7]
+    seqs = random_seqs([n + 4 for n in prompt_lens], seed=9)
+    results = []
+    for fused in ("1", "0"):
+        monkeypatch.setenv(fused_layer.DISABLE_ENV, fused)
+        chain = Chain(path, [2, 2], dtype="bfloat16")
+        assert (chain.stages[0].model.fused is not None) == (fused == "1")
+        names = {
+            proj.grid.name
+            for stage in chain.stages
+            for layer in stage.model.layers
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        }
+        assert names == {"Q4_K", "Q5_K", "Q6_K"}
+        assert chain.stages[1].model.lm_head.grid.name == "Q4_K"
+        results.append(drive_teacher_forced(chain, seqs, prompt_lens))
+    for got, layered in zip(*results, strict=True):
+        assert torch.equal(got, layered)
+    monkeypatch.setenv(GRID_WEIGHTS_ENV, "0")  # the same weights as bf16 panels
+    panels = drive_teacher_forced(Chain(path, [2, 2], dtype="bfloat16"), seqs, prompt_lens)
+    with torch.inference_mode():
+        for seq, got, bf16 in zip(seqs, results[0], panels, strict=True):
+            expected = hf_gguf(path)(torch.tensor([seq])).logits[0]
+            error, own = ((t.float() - expected).abs().mean().item() for t in (got, bf16))
+            assert error < 1.25 * own

@@ -8,6 +8,8 @@ dequantized values."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -15,7 +17,6 @@ import torch
 
 from stages.backend.cpu import grid, native
 from stages.backend.cpu.linear import (
-    CpuBf16Linear,
     CpuLinear,
     GridA8Linear,
     GridBf16Linear,
@@ -154,17 +155,129 @@ def test_bf16_panels_way_holds_the_dequantized_values(kernels: native.NativeKern
     assert torch.equal(linear.dense_weight(), held.dequantize().to(BF16))
 
 
+def k_reference(x: torch.Tensor, codes, passes: int = 2) -> torch.Tensor:  # noqa: ANN001
+    """What the k-quant kernel computes, in float64: x [M, K] bf16 -> [M, N]. x quantized per
+    32 as test_grid_a8.reference does; then per 32 (Q6_K: per 16) sum(q xq) exactly, times d
+    dx, plus Q4_K/Q5_K's m dx sum(xq) (Q6_K's codes less 32)."""
+    m, k = x.shape
+    n = codes.q.shape[0]
+    residual = x.float().reshape(m, k // 32, 32)
+    q = codes.q.double()
+    y = torch.zeros(m, n, dtype=torch.float64)
+    for _ in range(passes):
+        amax = residual.abs().amax(dim=-1)  # [M, B]
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        xq = torch.round(residual * inv[..., None])
+        dx = amax / 127.0
+        residual = residual - xq * dx[..., None]
+        xq, dx = xq.double(), dx.double()
+        if codes.m is None:  # Q6_K: d per 16, w = d (q - 32)
+            sums = torch.einsum("mgk,ngk->mng", xq.reshape(m, -1, 16), (q - 32).reshape(n, -1, 16))
+            y += (sums * codes.d.double()[None] * dx.repeat_interleave(2, 1)[:, None]).sum(-1)
+        else:
+            sums = torch.einsum("mbk,nbk->mnb", xq, q.reshape(n, -1, 32))
+            y += (sums * codes.d.double()[None] * dx[:, None]).sum(-1)
+            y += (codes.m.double()[None] * (dx * xq.sum(-1))[:, None]).sum(-1)
+    return y
+
+
+# bytes held per 256 weights: nibbles 128, masks 32 a plane, fp32 d and m per 32 (Q6_K: d per 16)
+K_QUANT_HELD = {"Q4_K": 128 + 64, "Q5_K": 128 + 32 + 64, "Q6_K": 128 + 64 + 64}
+
+
 @pytest.mark.parametrize("fmt", K_QUANTS)
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_a_k_quant_is_held_as_its_dequantized_values(
-    kernels: native.NativeKernels, fmt: str, dtype: torch.dtype
+def test_a_k_quant_multiplies_from_its_codes_as_llama_cpp_does(
+    kernels: native.NativeKernels, fmt: str
+) -> None:
+    if not kernels.a8_dot:
+        pytest.skip("this CPU has no AVX512_BF16 and VNNI")
+    held = matrix(fmt, 70, 512, 20)
+    linear = make_linear(held, "none", kernels, BF16, VECTOR)
+    assert isinstance(linear, GridA8Linear) and linear.grid.name == fmt
+    dense = held.dequantize()
+    # the codes decode to the package's dequantization, rounded to bf16, every row
+    assert torch.equal(linear.dense_weight(), dense.to(BF16))
+    assert torch.equal(linear.rows(torch.tensor([69, 0, 17])), dense.to(BF16)[[69, 0, 17]])
+    codes = held.k_quant_codes()
+    torch.manual_seed(21)
+    for passes in (2, 1):
+        linear.passes = passes
+        for rows in (1, 2, 3, 4, 5, 9, 33):
+            x = torch.randn(rows, 512).to(BF16)
+            x[0, :32] = 0  # a block of zeros: dx = 0
+            got = linear(x).double()
+            expected = k_reference(x, codes, passes)
+            bound = expected.abs() * 2**-8 + 1e-5 * expected.abs().amax()
+            assert ((got - expected).abs() <= bound).all(), f"{rows} rows, {passes} passes"
+            exact = x.double() @ dense.double().T
+            tolerance = {1: 0.02, 2: 0.003}[passes]
+            assert (got - exact).norm() <= tolerance * exact.norm()
+    linear.passes = 2
+    x = torch.randn(40, 512).to(BF16)
+    whole = linear(x)
+    for lo, hi in ((0, 1), (3, 14), (39, 40)):  # a row's result is its own
+        assert torch.equal(linear(x[lo:hi]), whole[lo:hi])
+    assert linear(x[:0]).shape == (0, 70)
+    with pytest.raises(ValueError, match="token ids must lie in"):  # checked before any read
+        linear.rows(torch.tensor([3, 70]))
+    assert linear.grid.nbytes == 80 * 2 * K_QUANT_HELD[fmt]  # 5 panels, 2 super-blocks a row
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_a_k_quant_on_amx_tiles_multiplies_its_bf16_weights(
+    kernels: native.NativeKernels, fmt: str
+) -> None:
+    if not kernels.amx_bf16:
+        pytest.skip("this CPU or build has no AMX-BF16")
+    held = matrix(fmt, 40, 256, 22)
+    linear = make_linear(held, "none", kernels, BF16, Switches(amx_rows="1"))
+    assert isinstance(linear, GridA8Linear) and linear.amx_rows == 1
+    x = torch.randn(37, 256).to(BF16)
+    expected = x.double() @ held.dequantize().to(BF16).double().T  # the decoded bf16 weights
+    got = linear(x).double()
+    assert ((got - expected).abs() <= expected.abs() * 2**-7 + 1e-4 * expected.abs().amax()).all()
+
+
+def test_k_quant_joins_share_a_format_where_one_holds_both() -> None:
+    four, five, six = (
+        matrix("Q4_K", 16, 256, 23),
+        matrix("Q5_K", 32, 256, 24),
+        matrix("Q6_K", 16, 256, 25),
+    )
+    both = torch.cat([four, five])
+    codes = both.k_quant_codes()
+    assert codes is not None and codes.format == "Q5_K"  # Q4_K's rows, fifth bits zero
+    w = torch.add(torch.mul(codes.q.float(), codes.d.repeat_interleave(32, 1)),
+                  codes.m.repeat_interleave(32, 1))  # fmt: skip
+    assert torch.equal(w, both.dequantize())
+    assert torch.cat([six, six]).k_quant_codes().format == "Q6_K"
+    # Q6_K has no offsets, Q4_K no per-16 scales: dequantized (no one layout holds both)
+    assert torch.cat([four, six]).k_quant_codes() is None
+    assert torch.cat([matrix("Q8_0", 16, 256, 26), four]).k_quant_codes() is None
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_an_fp32_stage_holds_a_k_quant_as_its_dequantized_values(
+    kernels: native.NativeKernels, fmt: str
 ) -> None:
     held = matrix(fmt, 32, 256, 16)
-    linear = make_linear(held, "none", kernels, dtype, VECTOR)
-    if dtype == BF16 and not kernels.bf16_dot:
-        pytest.skip("this CPU has no AVX512_BF16")
-    assert isinstance(linear, CpuLinear if dtype == torch.float32 else CpuBf16Linear)
-    assert torch.equal(linear.dense_weight(), held.dequantize().to(dtype))
+    linear = make_linear(held, "none", kernels, torch.float32, VECTOR)
+    assert isinstance(linear, CpuLinear)
+    assert torch.equal(linear.dense_weight(), held.dequantize())
+
+
+def test_k_quant_codes_of_another_shape_are_refused() -> None:
+    held = matrix("Q5_K", 16, 256, 27).k_quant_codes()
+    quads = grid.pack_k_quads("Q5_K", held.q, held.d, held.m, 16)
+    for bad in (
+        dict(codes=quads.codes[:, :-8].contiguous()),
+        dict(scale=quads.scale[:, :4].contiguous()),
+        dict(offset=None),
+        dict(in_features=512),
+        dict(name="Q6_K"),
+    ):
+        with pytest.raises(ValueError, match="k-quant codes do not fit"):
+            replace(quads, **bad)
 
 
 def test_the_torch_backend_and_int8_take_the_dequantized_values(

@@ -113,3 +113,57 @@ class GridQuads(_Codes):
     @property
     def in_features(self) -> int:  # K: a group holds 8 k (4 bits) or 4 (8 bits)
         return (8 if self.bits == 4 else 4) * self.codes.shape[1]
+
+
+# ppring.h's GRID_K4, GRID_K5, GRID_K6: a k-quant's format as the kernels name it (its `bits`)
+K_QUANT_KINDS = {"Q4_K": 20, "Q5_K": 21, "Q6_K": 22}
+
+
+@dataclass(frozen=True)
+class KQuads:
+    """A k-quant weight [N, K] (GGUF's Q4_K, Q5_K, Q6_K) in the layout of csrc/matmul_a8.c's
+    k-quant micro-kernel (ppr_linear_grid_a8 with bits GRID_K4/K5/K6): per panel of 16
+    channels, the codes' low nibbles as GridQuads' 4-bit groups ([K / 8, 64] bytes), then their
+    high bits (Q5_K: bit 4; Q6_K: bits 4 and 5) as 64-bit masks, per group of 8 k a mask per
+    plane and half (bit 4 c + j: channel c's k 8 g + 4 half + j), uint8 [P, K * 8 + K / 8 *
+    16 * planes]; d fp32 [P, K / 32, 16] (Q6_K: [P, K / 16, 16]) and m fp32 [P, K / 32, 16]
+    (Q6_K: None, its codes being q + 32)."""
+
+    name: str  # "Q4_K", "Q5_K" or "Q6_K"
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    out_features: int  # N
+    in_features: int  # K
+
+    WHAT: ClassVar[str] = "k-quant codes"
+
+    def __post_init__(self) -> None:
+        """The kernels read these tensors' raw memory: shapes and dtypes checked once, here."""
+        n, k = self.out_features, self.in_features
+        panels, planes = -(-n // PANEL), self.bits - K_QUANT_KINDS["Q4_K"]
+        group = 16 if self.name == "Q6_K" else 32
+        tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
+        if (
+            self.name not in K_QUANT_KINDS
+            or k <= 0
+            or k % BLOCK
+            or self.codes.dtype != torch.uint8
+            or tuple(self.codes.shape) != (panels, k * 8 + k // 8 * 16 * planes)
+            or self.scale.dtype != torch.float32
+            or tuple(self.scale.shape) != (panels, k // group, PANEL)
+            or (self.offset is None) != (self.name == "Q6_K")
+            or (self.offset is not None and self.offset.dtype != torch.float32)
+            or (self.offset is not None and tuple(self.offset.shape) != (panels, k // BLOCK, PANEL))
+            or not all(t.is_contiguous() and t.is_cpu for t in tensors)
+        ):
+            raise ValueError(f"{self.WHAT} do not fit K = {k} and N = {n}")
+
+    @property
+    def bits(self) -> int:  # (the kernels' name for the format)
+        return K_QUANT_KINDS[self.name]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.codes, self.scale] + ([self.offset] if self.offset is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)

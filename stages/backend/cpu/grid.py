@@ -27,7 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.backend.cpu.codes import BLOCK, PANEL, GridCodes, GridPairs, GridQuads
+from stages.backend.cpu.codes import (
+    BLOCK,
+    K_QUANT_KINDS,
+    PANEL,
+    GridCodes,
+    GridPairs,
+    GridQuads,
+    KQuads,
+)
 from stages.backend.cpu.native import NativeKernels
 from stages.backend.switches import GRID_WEIGHTS_ENV
 
@@ -193,3 +201,29 @@ def pack_pairs(found: Found, out_features: int) -> GridPairs:
     scale = _panels(found.d, rows).to(torch.float16)  # exact: each d is an fp16 number
     offset = None if found.m is None else _panels(found.m, rows).to(torch.float16)
     return GridPairs(found.bits, codes.contiguous(), scale, offset, out_features)
+
+
+def pack_k_quads(
+    name: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, out_features: int
+) -> KQuads:
+    """A k-quant's codes q uint8 [N, K] (0..63), d [N, K / 32 or K / 16] and m [N, K / 32]
+    (or None) fp32 in the k-quant kernel's layout (KQuads; csrc/ documents it)."""
+    import numpy as np
+
+    n, k = q.shape
+    rows = -(-out_features // PANEL) * PANEL
+    padded = torch.zeros((rows, k), dtype=torch.uint8)  # zero codes (and d = 0) past N
+    padded[:n] = q
+    # [P, 16 channels, K / 8 groups, 2 halves, 4] -> [P, K / 8, 2, 16, 4]
+    groups = padded.reshape(rows // PANEL, PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    low = groups & 15
+    nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(rows // PANEL, -1)  # [P, K * 8]
+    planes = K_QUANT_KINDS[name] - K_QUANT_KINDS["Q4_K"]
+    # per group, plane and half: 64 bits (channel c's k 8 g + 4 half + j at bit 4 c + j)
+    codes = nibbles
+    if planes:
+        bits = torch.stack([(groups >> (4 + p)) & 1 for p in range(planes)], dim=2)
+        masks = np.packbits(bits.reshape(*bits.shape[:4], 64).numpy(), axis=-1, bitorder="little")
+        codes = torch.cat((nibbles, torch.from_numpy(masks).reshape(rows // PANEL, -1)), dim=1)
+    offset = None if m is None else _panels(m, rows)
+    return KQuads(name, codes.contiguous(), _panels(d, rows), offset, out_features, k)

@@ -464,6 +464,17 @@ def _gguf_linear(
             if module is not None:
                 module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
                 return module
+    k_codes = weight.k_quant_codes()
+    if on_cpu and k_codes is not None and switches.grid_weights and dtype == torch.bfloat16:
+        assert kernels is not None
+        if bf16_grid_way(kernels, switches.grid_activations) in A8_PASSES:
+            way = bf16_grid_way(kernels, switches.grid_activations)
+            quads = grid.pack_k_quads(
+                k_codes.format, k_codes.q, k_codes.d, k_codes.m, weight.out_features
+            )
+            module = GridA8Linear(quads, kernels, A8_PASSES[way])
+            module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
+            return module
     dense = weight.dequantize()  # [N, K] fp32: the file's values
     return make_linear(dense, quantization, kernels, dtype, replace(switches, grid_weights=False))
 
@@ -527,6 +538,27 @@ def _describe_amx(modules: list[nn.Module]) -> str:
     return f"; AMX tiles from {rows} rows{which}"
 
 
+def held_bytes(modules: list[nn.Module]) -> dict[str, int]:
+    """The bytes `modules` hold in matrices, by how they hold them: a GGUF format's codes
+    ("Q4_K", ...; a Q4_0 matrix's as "Q4_1", a Q5_0's as "Q8_0": the layouts they are held in),
+    "bf16 panels", "fp32 panels", "int8" or torch's own ("bfloat16", ...)."""
+    held: dict[str, int] = {}
+    for module in modules:
+        if isinstance(module, _CODED):
+            kind, tensors = module.grid.name, list(module.buffers(recurse=False))
+        elif isinstance(module, (CpuLinear, CpuBf16Linear)):
+            kind = "fp32 panels" if isinstance(module, CpuLinear) else "bf16 panels"
+            tensors = [module.panels]
+        elif isinstance(module, Int8Linear):
+            kind, tensors = "int8", [module.qweight, module.scale]
+        elif isinstance(module, DenseLinear):
+            kind, tensors = str(module.weight.dtype).removeprefix("torch."), [module.weight]
+        else:
+            continue
+        held[kind] = held.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors)
+    return held
+
+
 def _describe_held(modules: list[nn.Module], dtype: torch.dtype) -> str:
     name = "fp32" if dtype == torch.float32 else "bf16"
     grids = [m.grid.name for m in modules if isinstance(m, _CODED)]
@@ -535,7 +567,10 @@ def _describe_held(modules: list[nn.Module], dtype: torch.dtype) -> str:
         return f"{name}, multiplied by torch"
     if not grids:
         return f"{name}, packed in panels for the kernels"
-    counts = ", ".join(f"{grids.count(n)} {n}" for n in sorted(set(grids)))
+    held = held_bytes(modules)
+    counts = ", ".join(
+        f"{grids.count(n)} {n} {held[n] / 2**20:.1f} MiB" for n in sorted(set(grids))
+    )
     rest = "" if len(grids) == total else ", the rest packed in panels"
     both = [m.code_rows for m in modules if isinstance(m, GridBf16Linear)]
     if any(isinstance(m, GridA8Linear) for m in modules):

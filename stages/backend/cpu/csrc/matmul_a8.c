@@ -150,6 +150,94 @@ static inline __attribute__((always_inline)) void a8_micro(
             for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
     pb_store(MR / PASSES, f, y, N, p0, np);
 }
+
+/* 64 bytes of nibbles with the high bits of their codes set where masks `at` [planes] (bit 4,
+ * then bit 5) say: a k-quant's codes, 0..31 (Q5_K) or 0..63 (Q6_K), for vpdpbusd */
+static inline __attribute__((always_inline)) __m512i kq_high(__m512i q, const uint64_t *at,
+                                                             const int PLANES) {
+    if (PLANES >= 1) q = _mm512_mask_add_epi8(q, _cvtu64_mask64(at[0]), q, _mm512_set1_epi8(16));
+    if (PLANES >= 2) q = _mm512_mask_add_epi8(q, _cvtu64_mask64(at[2]), q, _mm512_set1_epi8(32));
+    return q;
+}
+
+/* a8_micro for the k-quants (FMT GRID_K4, GRID_K5, GRID_K6): the same nibbles and vpdpbusd,
+ * the high bits added from their masks, fp32 scales (and offsets); Q6_K's scales are per 16,
+ * so its integer sums are scaled every two groups, less 32 sum(xq) over those 16 (its codes
+ * are q + 32, unsigned for vpdpbusd). */
+static inline __attribute__((always_inline)) void kq_micro(
+    const int MR, const int PF, const int PASSES, const int FMT, const int8_t *xq,
+    const float *dx, const float *sx, const int32_t *sq16, const uint8_t *c0, const uint8_t *c1,
+    const float *d0, const float *d1, const float *m0, const float *m1, uint16_t *y, int N, int K,
+    int p0, int np, const uint8_t *next, int64_t next_stride) {
+    const int KB = K / GRID_BLOCK, PLANES = grid_k_planes(FMT), H = 2 * PLANES;
+    const uint64_t *h0 = (const uint64_t *)(c0 + (int64_t)K * 8);
+    const uint64_t *h1 = (const uint64_t *)(c1 + (int64_t)K * 8);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 f[A8_MR][2];
+    for (int m = 0; m < MR; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
+    for (int kb = 0; kb < KB; kb++) {
+        __m512i a[A8_MR][2];
+        for (int m = 0; m < MR; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
+        for (int o = 0; o < 4; o++) { /* group g holds 8 k */
+            const int g = 4 * kb + o;
+            if (PF) {
+                a8_fetch(next, next_stride, g);
+                if (PLANES && (g * PLANES) % 4 == 0) /* a line of masks holds 4 / PLANES groups' */
+                    a8_fetch(next + (int64_t)K * 8, next_stride, g * PLANES / 4);
+            }
+            const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
+            const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
+            __m512i l0 = _mm512_and_si512(v0, nibble);
+            __m512i u0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+            __m512i l1 = _mm512_and_si512(v1, nibble);
+            __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+            if (PLANES) { /* masks of group g: [plane][half] */
+                l0 = kq_high(l0, h0 + (int64_t)g * H, PLANES);
+                u0 = kq_high(u0, h0 + (int64_t)g * H + 1, PLANES);
+                l1 = kq_high(l1, h1 + (int64_t)g * H, PLANES);
+                u1 = kq_high(u1, h1 + (int64_t)g * H + 1, PLANES);
+            }
+            for (int m = 0; m < MR; m++) {
+                int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
+                memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
+                memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
+                const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
+                a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), u0, B);
+                a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), u1, B);
+            }
+            if (FMT == GRID_K6 && (o & 1)) { /* the end of 16 k: their scale j */
+                const int j = 2 * kb + (o >> 1);
+                const __m512 s0 = _mm512_loadu_ps(d0 + j * PANEL);
+                const __m512 s1 = _mm512_loadu_ps(d1 + j * PANEL);
+                for (int m = 0; m < MR; m++) {
+                    const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                    const __m512i bias = _mm512_set1_epi32(32 * sq16[m * 2 * KB + j]);
+                    f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][0], bias)),
+                                              _mm512_mul_ps(s0, rdx), f[m][0]);
+                    f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[m][1], bias)),
+                                              _mm512_mul_ps(s1, rdx), f[m][1]);
+                    a[m][0] = a[m][1] = _mm512_setzero_si512();
+                }
+            }
+        }
+        if (FMT != GRID_K6) {
+            const __m512 s0 = _mm512_loadu_ps(d0 + kb * PANEL), s1 = _mm512_loadu_ps(d1 + kb * PANEL);
+            const __m512 o0 = _mm512_loadu_ps(m0 + kb * PANEL), o1 = _mm512_loadu_ps(m1 + kb * PANEL);
+            for (int m = 0; m < MR; m++) {
+                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
+                const __m512 rsx = _mm512_set1_ps(sx[m * KB + kb]);
+                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
+                                          _mm512_fmadd_ps(o0, rsx, f[m][0]));
+                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
+                                          _mm512_fmadd_ps(o1, rsx, f[m][1]));
+            }
+        }
+    }
+    if (PASSES == 2) /* a row of x: its passes' rows summed */
+        for (int m = 0; m < MR / 2; m++)
+            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
+    pb_store(MR / PASSES, f, y, N, p0, np);
+}
 #endif
 
 /* 1 where this build has ppr_linear_grid_a8 (AVX512_BF16 and AVX512_VNNI) */
@@ -161,34 +249,56 @@ int ppr_has_a8_dot(void) {
 #endif
 }
 
-/* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]: d * q,
- * then + m (two fp32 roundings, as backend/cpu/grid.py quad_rows and the checkpoint's converter
- * compute them: no FMA here), rounded to bf16. A tied lm_head's embedding lookup: the same as
+#ifdef HAVE_A8_DOT
+/* Weight k of channel c of one panel of codes (`panel`) in format `bits`, as the layout above
+ * holds it: d q + m (two fp32 roundings: no FMA, as the converters compute it), Q8_0's d q,
+ * Q6_K's d (q - 32). d and m: the panel's scales and offsets. */
+__attribute__((optimize("fp-contract=off"))) static float grid_weight(
+    const uint8_t *panel, const void *d, const void *m, int K, int bits, int c, int k) {
+    const int block = k / GRID_BLOCK;
+    if (bits == GRID_Q8) {
+        const int q = (int)panel[(int64_t)(k / 4) * 64 + 4 * c + k % 4] - 128;
+        return (float)q * _cvtsh_ss(((const uint16_t *)d)[block * PANEL + c]);
+    }
+    const int g = k / 8, j = k % 8;
+    const uint8_t byte = panel[(int64_t)g * 64 + 4 * c + j % 4];
+    int q = j < 4 ? byte & 15 : byte >> 4;
+    if (bits == GRID_Q4)
+        return (float)q * _cvtsh_ss(((const uint16_t *)d)[block * PANEL + c]) +
+               _cvtsh_ss(((const uint16_t *)m)[block * PANEL + c]);
+    const uint64_t *masks = (const uint64_t *)(panel + (int64_t)K * 8);
+    const int planes = grid_k_planes(bits), bit = 4 * c + j % 4;
+    for (int plane = 0; plane < planes; plane++)
+        q |= (int)((masks[(int64_t)g * 2 * planes + 2 * plane + j / 4] >> bit) & 1) << (4 + plane);
+    if (bits == GRID_K6)
+        return (float)(q - 32) * ((const float *)d)[(k / 16) * PANEL + c];
+    return (float)q * ((const float *)d)[block * PANEL + c] + ((const float *)m)[block * PANEL + c];
+}
+#endif
+
+/* Rows ids [T] of a weight held in the layout above, decoded to bf16 rows out [T, K]
+ * (grid_weight, each rounded to bf16). A tied lm_head's embedding lookup: the same as
  * quad_rows(...).to(bfloat16), bit for bit, in about a microsecond a row instead of ~50 us of
  * torch ops (a single stream's step spent that much on its one token). Returns -1 for an id
- * outside [0, N), without AVX512_BF16 and VNNI, or for a K that is not a multiple of 32. */
-__attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
-    const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, const int64_t *ids,
-    uint16_t *out, int T, int N, int K, int bits) {
+ * outside [0, N), without AVX512_BF16 and VNNI, or for a weight a8_weight_ok refuses. */
+int ppr_grid_a8_rows(const uint8_t *codes, const void *scale, const void *offset,
+                     const int64_t *ids, uint16_t *out, int T, int N, int K, int bits) {
 #ifdef HAVE_A8_DOT
     if (!a8_weight_ok(K, bits, offset)) return -1;
     for (int t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -1;
-    const int KB = K / GRID_BLOCK, per_group = bits == 4 ? 8 : 4;
-    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8;
+    const int64_t panel_codes = grid_panel_code_bytes(K, bits);
+    const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
+    const int64_t panel_offsets = (int64_t)(K / GRID_BLOCK) * PANEL;
+    const int wide = grid_is_k(bits) ? 4 : 2; /* bytes per scale */
     for (int t = 0; t < T; t++) {
         const int64_t p = ids[t] / PANEL;
         const int c = (int)(ids[t] % PANEL);
-        const uint8_t *panel = codes + p * panel_codes;
-        for (int k = 0; k < K; k++) {
-            const int g = k / per_group, j = k % per_group;
-            const uint8_t byte = panel[(int64_t)g * 64 + 4 * c + j % 4];
-            const int q = bits == 4 ? (j < 4 ? byte & 15 : byte >> 4) : (int)byte - 128;
-            const int64_t block = (p * KB + k / GRID_BLOCK) * PANEL + c;
-            float v = (float)q * _cvtsh_ss(scale[block]);
-            if (bits == 4) v = v + _cvtsh_ss(offset[block]);
-            out[(int64_t)t * K + k] = bf16_store(v);
-        }
+        const char *d = (const char *)scale + p * panel_scales * wide;
+        const char *m = offset ? (const char *)offset + p * panel_offsets * wide : NULL;
+        for (int k = 0; k < K; k++)
+            out[(int64_t)t * K + k] =
+                bf16_store(grid_weight(codes + p * panel_codes, d, m, K, bits, c, k));
     }
     return 0;
 #else
@@ -201,7 +311,7 @@ __attribute__((optimize("fp-contract=off"))) int ppr_grid_a8_rows(
 #ifdef HAVE_A8_DOT
 size_t a8_scratch_bytes(int M, int K) {
     const size_t rows = (size_t)A8_MAX_PASSES * M;
-    return rows * (K / GRID_BLOCK) * (sizeof(float) * 2 + sizeof(int32_t)) + rows * K;
+    return rows * (K / GRID_BLOCK) * (sizeof(float) * 2 + 3 * sizeof(int32_t)) + rows * K;
 }
 
 A8Rows a8_rows_at(char *scratch, int M, int K, int passes) {
@@ -211,7 +321,8 @@ A8Rows a8_rows_at(char *scratch, int M, int K, int passes) {
     r.dx = (float *)scratch;
     r.sx = r.dx + per_block;
     r.sq = (int32_t *)(r.sx + per_block);
-    r.xq = (int8_t *)(r.sq + per_block);
+    r.sq16 = r.sq + per_block;
+    r.xq = (int8_t *)(r.sq16 + 2 * per_block);
     return r;
 }
 
@@ -221,24 +332,78 @@ void a8_quantize_rows(const uint16_t *x, int M, int K, A8Rows r) {
     for (int m = 0; m < M; m++) a8_quantize_into(x, m, K, r);
 }
 
+/* one unit's quantized rows [r, r + mr) of a k-quant (FMT) x its panels c0, c1 */
+static void kq_rows(const int FMT, A8Rows rows, int r, int mr, int pf, const uint8_t *c0,
+                    const uint8_t *c1, const float *d0, const float *d1, const float *m0,
+                    const float *m1, uint16_t *y, int N, int K, int p0, int np,
+                    const uint8_t *next, int64_t next_stride) {
+    const int KB = K / GRID_BLOCK, passes = rows.passes;
+    const int8_t *xr = rows.xq + (int64_t)r * K;
+    const float *dr = rows.dx + (int64_t)r * KB, *sr = rows.sx + (int64_t)r * KB;
+    const int32_t *qr = rows.sq16 + (int64_t)r * 2 * KB;
+    uint16_t *yr = y + (int64_t)(r / passes) * N;
+#define KQ_CALL(MR, PF, PASSES)                                                                 \
+    kq_micro(MR, PF, PASSES, FMT, xr, dr, sr, qr, c0, c1, d0, d1, m0, m1, yr, N, K, p0, np, next, \
+             next_stride)
+    switch (passes == 2 ? 10 * mr + pf : mr + 4 * pf) {
+    case 1: KQ_CALL(1, 0, 1); break;
+    case 2: KQ_CALL(2, 0, 1); break;
+    case 3: KQ_CALL(3, 0, 1); break;
+    case 4: KQ_CALL(4, 0, 1); break;
+    case 5: KQ_CALL(1, 1, 1); break;
+    case 6: KQ_CALL(2, 1, 1); break;
+    case 7: KQ_CALL(3, 1, 1); break;
+    case 8: KQ_CALL(4, 1, 1); break;
+    case 20: KQ_CALL(2, 0, 2); break;
+    case 21: KQ_CALL(2, 1, 2); break;
+    case 40: KQ_CALL(4, 0, 2); break;
+    default: KQ_CALL(4, 1, 2); break;
+    }
+#undef KQ_CALL
+}
+
 /* y [M, N] from the quantized rows r, the units of two panels shared by the team (orphaned) */
-void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
-              const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+void a8_units(A8Rows rows, const uint8_t *codes, const void *scale, const void *offset,
+              uint16_t *y, int M, int N, int K, int bits) {
     const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
-    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8, panel_scales = (int64_t)KB * PANEL;
+    const int64_t panel_codes = grid_panel_code_bytes(K, bits);
+    const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
+    const int64_t panel_offsets = (int64_t)KB * PANEL;
+    const int k_quant = grid_is_k(bits);
 #pragma omp for schedule(guided, 2)
     for (int u = 0; u < num_units; u++) {
         const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
         const uint8_t *c0 = codes + p0 * panel_codes;
         const uint8_t *c1 = np > 1 ? c0 + panel_codes : c0;
-        const uint16_t *d0 = scale + p0 * panel_scales;
+        const int passes = rows.passes, quantized = passes * M;
+        if (k_quant) { /* fp32 scales (and offsets) */
+            const float *d0 = (const float *)scale + p0 * panel_scales;
+            const float *d1 = np > 1 ? d0 + panel_scales : d0;
+            const float *m0 = offset ? (const float *)offset + p0 * panel_offsets : NULL;
+            const float *m1 = m0 && np > 1 ? m0 + panel_offsets : m0;
+            for (int r = 0; r < quantized; r += A8_MR) {
+                const int pf = r == 0 && u + 1 < num_units;
+                const int mr = quantized - r < A8_MR ? quantized - r : A8_MR;
+                const uint8_t *next = c0 + 2 * panel_codes;
+                if (bits == GRID_K4)
+                    kq_rows(GRID_K4, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,
+                            next, panel_codes);
+                else if (bits == GRID_K5)
+                    kq_rows(GRID_K5, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,
+                            next, panel_codes);
+                else
+                    kq_rows(GRID_K6, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,
+                            next, panel_codes);
+            }
+            continue;
+        }
+        const uint16_t *d0 = (const uint16_t *)scale + p0 * panel_scales;
         const uint16_t *d1 = np > 1 ? d0 + panel_scales : d0;
-        const uint16_t *m0 = bits == 4 ? offset + p0 * panel_scales : NULL;
+        const uint16_t *m0 = bits == 4 ? (const uint16_t *)offset + p0 * panel_scales : NULL;
         const uint16_t *m1 = bits == 4 && np > 1 ? m0 + panel_scales : m0;
         if (M < 8 && u + 1 < num_units) /* the next unit's scales (and offsets) */
             a8_fetch_scales(d0 + 2 * panel_scales, m0 ? m0 + 2 * panel_scales : NULL,
                             2 * panel_scales * (int64_t)sizeof(uint16_t));
-        const int passes = rows.passes, quantized = passes * M;
         for (int r = 0; r < quantized; r += A8_MR) {
             const int8_t *xr = rows.xq + (int64_t)r * K;
             const float *dr = rows.dx + (int64_t)r * KB, *sr = rows.sx + (int64_t)r * KB;
@@ -279,8 +444,8 @@ void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
  * the units of two panels (each unit's rows A8_MR at a time, its codes reused from cache).
  * Returns -1 without AVX512_BF16 and VNNI, for a K that is not a multiple of 32, or if the
  * quantized rows could not be allocated. */
-int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
-                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits,
+int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const void *scale,
+                       const void *offset, uint16_t *y, int M, int N, int K, int bits,
                        int passes) {
 #ifdef HAVE_A8_DOT
     if (!a8_weight_ok(K, bits, offset) || passes < 1 || passes > A8_MAX_PASSES) return -1;

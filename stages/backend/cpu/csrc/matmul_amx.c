@@ -189,6 +189,46 @@ static void amx_decode_panel(const uint8_t *codes, const uint16_t *d, const uint
     }
 }
 
+/* one panel of a k-quant's codes (FMT GRID_K4/K5/K6: nibbles, then masks of high bits), its
+ * fp32 scales d [K / 32 or K / 16, 16] and offsets m [K / 32, 16] (none for Q6_K) -> its K / 2
+ * pairs, each weight as ppr_grid_a8_rows computes it (d q + m in two roundings; Q6_K's
+ * d (q - 32)) rounded to bf16 */
+static void amx_decode_kpanel(const uint8_t *codes, const float *d, const float *m, int K,
+                              int bits, uint16_t *pairs) {
+    const __m512i idx = amx_pair_index(), nibble = _mm512_set1_epi8(15);
+    const __m512i byte = _mm512_set1_epi32(255), zero = _mm512_set1_epi32(32);
+    const int planes = grid_k_planes(bits);
+    const uint64_t *masks = (const uint64_t *)(codes + (int64_t)K * 8);
+    for (int g = 0; g < K / 8; g++) {
+        const __m512i v = _mm512_loadu_si512(codes + (int64_t)g * 64);
+        __m512i half[2] = {_mm512_and_si512(v, nibble),
+                           _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)};
+        for (int h = 0; h < 2; h++)
+            for (int plane = 0; plane < planes; plane++)
+                half[h] = _mm512_mask_add_epi8(
+                    half[h], _cvtu64_mask64(masks[(int64_t)g * 2 * planes + 2 * plane + h]),
+                    half[h], _mm512_set1_epi8((char)(16 << plane)));
+        for (int s = 0; s < 4; s++) { /* k = 8 g + 2 s and + 1: bytes 2 (s % 2), + 1 of half s / 2 */
+            const int k = 8 * g + 2 * s;
+            const __m512i from = half[s / 2];
+            __m512i q0 = _mm512_and_si512(_mm512_srli_epi32(from, 16 * (s % 2)), byte);
+            __m512i q1 = _mm512_and_si512(_mm512_srli_epi32(from, 16 * (s % 2) + 8), byte);
+            __m512 w0, w1;
+            if (bits == GRID_K6) {
+                const __m512 dk = _mm512_loadu_ps(d + (k / 16) * PANEL);
+                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, zero)), dk);
+                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, zero)), dk);
+            } else {
+                const __m512 dk = _mm512_loadu_ps(d + (k / 32) * PANEL);
+                const __m512 mk = _mm512_loadu_ps(m + (k / 32) * PANEL);
+                w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), dk), mk);
+                w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), dk), mk);
+            }
+            amx_put_pair(pairs + (int64_t)(k / 2) * 32, w0, w1, idx);
+        }
+    }
+}
+
 /* x's rows in whole tiles: x itself where M is a multiple of 16, else a zero-padded copy
  * (*padded, for the caller to free). NULL when that allocation failed. */
 static const uint16_t *amx_padded_rows(const uint16_t *x, int M, int K, uint16_t **padded) {
@@ -242,8 +282,8 @@ int ppr_linear_bf16_amx(const uint16_t *x, const uint16_t *panels, uint16_t *y, 
  * bf16 pairs (amx_decode_panel), then multiplied as ppr_linear_bf16_amx multiplies panels.
  * Returns PPR_REFUSED as ppr_linear_bf16_amx does, and for a grid these kernels do not read
  * (a8_weight_ok) or a thread's buffer not allocated; the caller then takes ppr_linear_grid_a8. */
-int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
-                           const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits) {
+int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const void *scale,
+                           const void *offset, uint16_t *y, int M, int N, int K, int bits) {
 #ifdef HAVE_AMX_BF16
     if (!ppr_has_amx_bf16() || !amx_shape_ok(M, N, K) || !a8_weight_ok(K, bits, offset))
         return PPR_REFUSED;
@@ -251,8 +291,9 @@ int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16
     const uint16_t *rows = amx_padded_rows(x, M, K, &padded);
     if (!rows) return PPR_REFUSED;
     const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
-    const int64_t panel_codes = (int64_t)K * PANEL * bits / 8;
-    const int64_t panel_scales = (int64_t)(K / GRID_BLOCK) * PANEL;
+    const int64_t panel_codes = grid_panel_code_bytes(K, bits);
+    const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
+    const int64_t panel_offsets = (int64_t)(K / GRID_BLOCK) * PANEL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {
@@ -264,10 +305,20 @@ int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16
         for (int u = 0; u < num_units; u++) {
             if (!pairs) continue;
             const int p0 = 2 * u, np = num_panels - p0 < 2 ? 1 : 2;
-            for (int i = 0; i < np; i++)
-                amx_decode_panel(codes + (p0 + i) * panel_codes, scale + (p0 + i) * panel_scales,
-                                 bits == 4 ? offset + (p0 + i) * panel_scales : NULL, K, bits,
-                                 pairs + (int64_t)i * K * 16);
+            for (int i = 0; i < np; i++) {
+                const uint8_t *c = codes + (p0 + i) * panel_codes;
+                uint16_t *into = pairs + (int64_t)i * K * 16;
+                if (grid_is_k(bits))
+                    amx_decode_kpanel(c, (const float *)scale + (p0 + i) * panel_scales,
+                                      offset ? (const float *)offset + (p0 + i) * panel_offsets
+                                             : NULL,
+                                      K, bits, into);
+                else
+                    amx_decode_panel(c, (const uint16_t *)scale + (p0 + i) * panel_scales,
+                                     bits == 4 ? (const uint16_t *)offset + (p0 + i) * panel_scales
+                                               : NULL,
+                                     K, bits, into);
+            }
             amx_rows(rows, (int64_t)K * 2, M, pairs, K, y, N, p0, np, sums);
         }
         if (pairs) _tile_release();

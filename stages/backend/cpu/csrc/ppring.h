@@ -123,6 +123,31 @@ enum {
     PPR_INT8_QUADS = 7, PPR_GRID_A8_1 = 8 /* PPR_GRID_A8 with one pass over x (a8_quantize_row) */
 };
 
+/* The formats of a grid-a8 weight (ppr_linear_t bits; matmul_a8.c describes each layout): GGUF's
+ * Q4_1 (Q4_0 too) and Q8_0 (Q5_0 too) as 4- and 8-bit codes with fp16 scales, and the k-quants
+ * Q4_K, Q5_K and Q6_K as 4-bit codes plus 0, 1 or 2 planes of high bits with fp32 scales. */
+enum { GRID_Q4 = 4, GRID_Q8 = 8, GRID_K4 = 20, GRID_K5 = 21, GRID_K6 = 22 };
+
+static inline int grid_is_k(int bits) { return bits >= GRID_K4 && bits <= GRID_K6; }
+
+/* planes of high bits of a k-quant (bit 4, bit 5), each two 64-bit masks per group of 8 k */
+static inline int grid_k_planes(int bits) { return bits - GRID_K4; }
+
+/* bytes of codes per panel of 16 channels (K a multiple of 32): nibbles K * 8, 8-bit codes
+ * K * 16; a k-quant's nibbles then its masks, K / 8 groups of 2 planes x 2 halves x 8 bytes */
+static inline int64_t grid_panel_code_bytes(int K, int bits) {
+    if (bits == GRID_Q8) return (int64_t)K * 16;
+    return (int64_t)K * 8 + (grid_is_k(bits) ? (int64_t)(K / 8) * 16 * grid_k_planes(bits) : 0);
+}
+
+/* weights along K per scale: 32, Q6_K's 16 */
+static inline int grid_scale_group(int bits) { return bits == GRID_K6 ? 16 : 32; }
+
+/* whether the format has an offset per 32 (w = d q + m): Q4_1, Q4_K, Q5_K */
+static inline int grid_has_offset(int bits) {
+    return bits == GRID_Q4 || bits == GRID_K4 || bits == GRID_K5;
+}
+
 /* quantized rows per row of x for a grid-a8 kind */
 static inline int a8_passes(int kind) { return kind == PPR_GRID_A8_1 ? 1 : 2; }
 
@@ -631,16 +656,18 @@ static inline __attribute__((always_inline)) void pb_store(const int MR, __m512 
  * xq = round(x / dx) (nearest even); *dx, *sx = dx sum(xq) and *sq = sum(xq) set, and lo, hi
  * left holding what xq misses, x - dx xq (at most dx / 2 a value). */
 static inline void a8_quantize_block(__m512 *lo, __m512 *hi, int8_t *xq, float *dx, float *sx,
-                                     int32_t *sq) {
+                                     int32_t *sq, int32_t *sq16) {
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(*lo), _mm512_abs_ps(*hi)));
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(*lo, inv)); /* nearest even */
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(*hi, inv));
     _mm_storeu_si128((__m128i *)xq, _mm512_cvtepi32_epi8(qlo)); /* |x / dx| <= 127 */
     _mm_storeu_si128((__m128i *)(xq + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    const int32_t sum_lo = _mm512_reduce_add_epi32(qlo), sum_hi = _mm512_reduce_add_epi32(qhi);
+    const int32_t sum = sum_lo + sum_hi;
     const float d = amax / 127.0f;
     *dx = d, *sq = sum, *sx = d * (float)sum;
+    sq16[0] = sum_lo, sq16[1] = sum_hi;
     const __m512 vd = _mm512_set1_ps(d);
     *lo = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qlo), vd, *lo);
     *hi = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qhi), vd, *hi);
@@ -649,10 +676,11 @@ static inline void a8_quantize_block(__m512 *lo, __m512 *hi, int8_t *xq, float *
 /* One row of x [K] bf16 -> `passes` (1 or 2) rows of int8, x ~ dx1 xq1 (+ dx2 xq2) per block
  * of 32: the first pass quantizes x, the second what the first missed. Into xq [passes, K] (rows
  * `row_stride` apart) and, per pass and block, dx, dx sum(xq) and sum(xq) ([passes, K / 32]
- * each, rows `block_stride` apart). */
+ * each, rows `block_stride` apart), and sum(xq) per 16 ([passes, K / 16], rows twice
+ * `block_stride` apart: Q6_K's scales are per 16). */
 static inline void a8_quantize_row(const uint16_t *x, int K, int passes, int8_t *xq,
                                    int64_t row_stride, float *dx, float *sx, int32_t *sq,
-                                   int64_t block_stride) {
+                                   int32_t *sq16, int64_t block_stride) {
     for (int b = 0; b < K / GRID_BLOCK; b++) {
         const __m512i raw = _mm512_loadu_si512(x + (int64_t)b * GRID_BLOCK); /* 32 bf16 */
         __m512 lo = _mm512_castsi512_ps(
@@ -662,19 +690,20 @@ static inline void a8_quantize_row(const uint16_t *x, int K, int passes, int8_t 
         for (int pass = 0; pass < passes; pass++) {
             const int64_t at = pass * block_stride + b;
             a8_quantize_block(&lo, &hi, xq + pass * row_stride + (int64_t)b * GRID_BLOCK,
-                              dx + at, sx + at, sq + at);
+                              dx + at, sx + at, sq + at, sq16 + 2 * at);
         }
     }
 }
 
 /* The quantized rows of one call of M rows of x (`passes` quantized rows each: row
  * passes m + pass): per quantized row and block of 32, dx, dx sum(xq) and sum(xq)
- * ([passes M, K / 32] each), then xq [passes M, K] int8, cut from one buffer of
+ * ([passes M, K / 32] each), sum(xq) per 16 ([passes M, K / 16]), then xq [passes M, K]
+ * int8, cut from one buffer of
  * a8_scratch_bytes(M, K) (which grows with K: a buffer for the largest K serves every smaller
  * one, and holds A8_MAX_PASSES passes). */
 typedef struct {
     float *dx, *sx;
-    int32_t *sq;
+    int32_t *sq, *sq16;
     int8_t *xq;
     int passes;
 } A8Rows;
@@ -684,16 +713,18 @@ static inline void a8_quantize_into(const uint16_t *x, int m, int K, A8Rows r) {
     const int KB = K / GRID_BLOCK;
     const int64_t q = (int64_t)r.passes * m;
     a8_quantize_row(x + (int64_t)m * K, K, r.passes, r.xq + q * K, K, r.dx + q * KB,
-                    r.sx + q * KB, r.sq + q * KB, KB);
+                    r.sx + q * KB, r.sq + q * KB, r.sq16 + 2 * q * KB, KB);
 }
 
 #endif
 
-/* Whether ppr_linear_grid_a8 and ppr_grid_a8_rows take this weight: K a multiple of 32, bits 4
- * (with offsets) or 8, in a build with AVX512_BF16 and VNNI. */
+/* Whether ppr_linear_grid_a8 and ppr_grid_a8_rows take this weight: K a multiple of 32, a
+ * format above, offsets given exactly where it has them, in a build with AVX512_BF16 and
+ * VNNI. */
 static inline int a8_weight_ok(int K, int bits, const void *offset) {
 #ifdef HAVE_A8_DOT
-    return K % GRID_BLOCK == 0 && (bits == 4 || bits == 8) && (bits == 8 || offset);
+    const int format = bits == GRID_Q4 || bits == GRID_Q8 || grid_is_k(bits);
+    return K > 0 && K % GRID_BLOCK == 0 && format && !grid_has_offset(bits) == !offset;
 #else
     (void)K, (void)bits, (void)offset;
     return 0;
@@ -769,12 +800,12 @@ int ppr_prefill_attention_amx(const uint16_t *q, const uint16_t *kv, uint16_t *o
                               int q_start, int q_len, int ctx_len, const int32_t *table,
                               int table_len, int64_t num_slots, int H, int Hkv, int D,
                               float scale);
-int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
-                           const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits);
+int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const void *scale,
+                           const void *offset, uint16_t *y, int M, int N, int K, int bits);
 int ppr_linear_grid_bf16(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
                          const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits);
-int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *scale,
-                       const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits,
+int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const void *scale,
+                       const void *offset, uint16_t *y, int M, int N, int K, int bits,
                        int passes);
 
 #ifdef HAVE_A8_DOT
@@ -782,8 +813,8 @@ int ppr_linear_grid_a8(const uint16_t *x, const uint8_t *codes, const uint16_t *
 PPR_INTERNAL size_t a8_scratch_bytes(int M, int K);
 PPR_INTERNAL A8Rows a8_rows_at(char *scratch, int M, int K, int passes);
 PPR_INTERNAL void a8_quantize_rows(const uint16_t *x, int M, int K, A8Rows r);
-PPR_INTERNAL void a8_units(A8Rows rows, const uint8_t *codes, const uint16_t *scale,
-                           const uint16_t *offset, uint16_t *y, int M, int N, int K, int bits);
+PPR_INTERNAL void a8_units(A8Rows rows, const uint8_t *codes, const void *scale,
+                           const void *offset, uint16_t *y, int M, int N, int K, int bits);
 #endif
 
 #endif /* PPRING_H */
