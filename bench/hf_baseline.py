@@ -46,15 +46,14 @@ class HFGenerate:
         compiled: bool = False,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from launch.prepare_model import load_hf_model
 
         torch.set_num_threads(threads)
         # On an accelerator, load straight onto it (an 8B model would cost 16 GB of host
         # memory and a second copy otherwise).
         placement = {} if device == "cpu" else {"device_map": device}
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype), **placement
-        )
+        model = load_hf_model(model_dir, dtype=getattr(torch, dtype), **placement)
         self.model = model.eval()  # already on `device`: loaded there
         self.device = device
         self.compiled = compiled

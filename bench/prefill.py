@@ -86,11 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 
     sides: dict[str, Any] = {"ppring": ppring}
     if not args.no_baseline:
-        from transformers import AutoModelForCausalLM
+        from launch.prepare_model import load_hf_model
 
-        hf = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, args.hf_dtype)
-        ).eval()
+        hf = load_hf_model(model_dir, dtype=getattr(torch, args.hf_dtype)).eval()
         ids = torch.tensor([prompt])
 
         def transformers() -> float:

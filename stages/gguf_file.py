@@ -57,9 +57,10 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def open_gguf(path: str | Path) -> Any:
-    """The file's `gguf.GGUFReader` (memory-mapped), or one ConfigError. A process reads a
-    file's header once (its config, its summary line and its stage's tensors all ask): the
-    reader is kept while the file is the same (path, size and modification time)."""
+    """The file's header (stages/gguf_header.py: its metadata, its tensors as views of the
+    memory-mapped file), or one ConfigError. A process reads a file's header once (its config,
+    its summary line and its stage's tensors all ask): it is kept while the file is the same
+    (path, size and modification time)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} is not a file; pass --model a .gguf file or a model folder")
@@ -70,11 +71,11 @@ def open_gguf(path: str | Path) -> Any:
 @functools.lru_cache(maxsize=4)
 def _reader(path: Path, size: int, mtime_ns: int) -> Any:
     """(size and mtime_ns: the cache's key, so a rewritten file is read again)"""
-    import gguf
+    from stages.gguf_header import read_header
 
     try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
+        return read_header(path)
+    except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"{path} is not a readable GGUF file ({exc})") from None
 
 
@@ -82,7 +83,7 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     """One GGUF metadata value: a str, int or float, a list of them, or `default` if absent."""
     if key not in reader.fields:
         return default
-    value = reader.fields[key].contents()
+    value = reader.fields[key]
     # GGUF stores floats as float32 (1e-5 reads back as 9.999999747378752e-06): the float32's
     # shortest repr is the value the model was made with
     if isinstance(value, float):
@@ -95,7 +96,6 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
 def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dict]:
     """(config.json, generation_config.json) as dicts, from the file's metadata; one
     ConfigError for an architecture or a tensor format ppring does not serve."""
-    import numpy as np
 
     reader = reader if reader is not None else open_gguf(path)
     arch = field(reader, "general.architecture")
@@ -149,7 +149,7 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
         raw["rope_parameters"] = {
             "rope_type": FREQ_FACTORS,
             "rope_theta": raw["rope_theta"],
-            "factors": [float(f) for f in np.asarray(freqs.data, dtype=np.float32).reshape(-1)],
+            "factors": [float(f) for f in _values(freqs).reshape(-1)],
         }
     elif scaling not in (None, "none"):
         if scaling != "linear":
@@ -165,6 +165,14 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
         raw["use_sliding_window"] = False
     generation = {"eos_token_id": raw["eos_token_id"], "bos_token_id": raw["bos_token_id"]}
     return raw, generation
+
+
+def _values(tensor: Any) -> Any:
+    """An F32, F16 or BF16 tensor's values as fp32 (a numpy array in the file's row order)."""
+    import gguf
+    import numpy as np
+
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
 def check_formats(path: str | Path, reader: Any) -> None:
@@ -207,7 +215,6 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
     q and k in HF's row order: an F32, F16 or BF16 tensor as an fp32 numpy array, a quantized
     matrix as a `GgufMatrix` of its blocks (uint8 [out, row bytes], a copy: the file is
     memory-mapped). One ConfigError naming a tensor the file lacks."""
-    import gguf
     import numpy as np
     import torch
 
@@ -224,8 +231,7 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
         shape = tuple(int(n) for n in reversed(tensor.shape))  # [out, in] (or [d])
         kind = tensor.tensor_type.name
         if kind in DENSE_FORMATS:
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = np.asarray(weight, dtype=np.float32).reshape(shape)
+            weight = _values(tensor).reshape(shape)
         else:  # rows of blocks: [out, row bytes]
             weight = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
         if arch == "llama" and ".self_attn.q_proj." in name:

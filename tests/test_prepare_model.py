@@ -167,7 +167,35 @@ def test_ppring_cache_env_sets_default_cache(
 ) -> None:
     monkeypatch.setenv("PPRING_CACHE", str(cache_dir))
     assert prepare_default_model() == model_dir
-    assert resolve_model(None) == model_dir
+    # what stages serve by default: the file itself, its codes read from its blocks
+    assert resolve_model(None) == pm._find_gguf()
+
+
+def test_the_default_file_is_hashed_once_and_a_changed_one_again(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed: list[Path] = []
+    real = pm._verify_sha256
+    monkeypatch.setattr(pm, "_verify_sha256", lambda path: (hashed.append(path), real(path)))
+    path = pm.default_model_file(tmp_path, quiet=True)
+    assert path.name == pm.GGUF_NAME and hashed == [path]
+    assert pm.default_model_file(tmp_path, quiet=True) == path and hashed == [path]
+    note = tmp_path / "models" / pm.VERIFIED_NAME
+    seen = json.loads(note.read_text())
+    note.write_text(json.dumps({**seen, "mtime_ns": seen["mtime_ns"] + 1}))  # another file
+    pm.default_model_file(tmp_path, quiet=True)
+    assert hashed == [path, path]
+    monkeypatch.setattr(pm, "GGUF_SHA256", "0" * 64)  # a note of another sha is not trusted
+    with pytest.raises(PrepareModelError, match=r"sha256 .*--force-reinstall"):
+        pm.default_model_file(tmp_path, quiet=True)
+
+
+def test_the_served_name_of_the_default_file_is_its_folder_s() -> None:
+    assert pm.served_name(Path("/x") / pm.GGUF_NAME) == pm.MODEL_DIRNAME
+    assert (
+        pm.served_name(Path("/x/Qwen2.5-7B-Instruct-Q4_K_M.gguf")) == "Qwen2.5-7B-Instruct-Q4_K_M"
+    )
+    assert pm.served_name(Path("/models/my-llama")) == "my-llama"
 
 
 def test_sha256_mismatch_names_the_fix(

@@ -288,3 +288,62 @@ def test_a_k_quant_model_runs_its_codes_fused_as_call_by_call(
             expected = hf_gguf(path)(torch.tensor([seq])).logits[0]
             error, own = ((t.float() - expected).abs().mean().item() for t in (got, bf16))
             assert error < 1.25 * own
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "llama-k"])
+def test_the_header_reads_as_the_gguf_package_reads_it(
+    gguf_files: dict[str, Path], model: str
+) -> None:
+    """stages/gguf_header.py against the package's GGUFReader: every field (the tokenizer's
+    string arrays by length), every tensor's type, shape and bytes."""
+    from stages.gguf_header import COUNTED, read_header
+
+    path = gguf_files[model]
+    ours, theirs = read_header(path), gguf.GGUFReader(path)
+    for key, field in theirs.fields.items():
+        if key.startswith("GGUF."):  # the reader's own pseudo-fields (version, counts)
+            continue
+        value = field.contents()
+        if key in COUNTED:
+            assert len(ours.fields[key]) == len(value) > 0
+        else:
+            assert ours.fields[key] == value, key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for mine, their in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.tensor_type) == (their.name, their.tensor_type)
+        assert list(mine.shape) == [int(n) for n in their.shape]
+        assert mine.n_bytes == int(their.n_bytes)
+        raw = np.asarray(their.data).view(np.uint8).reshape(-1)
+        assert np.array_equal(mine.data.reshape(-1), raw)
+
+
+def test_a_cut_file_is_one_sentence(gguf_files: dict[str, Path], tmp_path: Path) -> None:
+    whole = gguf_files["llama"].read_bytes()
+    for size in (3, 100, len(whole) // 2):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(whole[:size])
+        with pytest.raises(ConfigError, match="is not a readable GGUF file") as error:
+            ModelConfig.from_path(cut)
+        assert "\n" not in str(error.value)
+
+
+def test_the_file_s_tokenizer_is_rebuilt_once_then_read_from_the_cache(
+    gguf_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from launch import prepare_model
+
+    monkeypatch.setenv("PPRING_CACHE", str(tmp_path))
+    path = gguf_files["qwen2"]
+    first = prepare_model.load_tokenizer(path)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    assert saved.name.startswith("qwen2-") and (saved / prepare_model.MARKER_NAME).is_file()
+    built = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: built.append(k) or first)
+    prepare_model.load_tokenizer(path)
+    assert built == [{}]  # from the saved folder, not the file (no gguf_file=)
+    monkeypatch.undo()
+    monkeypatch.setenv("PPRING_CACHE", str(tmp_path))
+    again = prepare_model.load_tokenizer(path)
+    text = "pipeline parallelism, in two sentences \u00fc 42"
+    assert again(text)["input_ids"] == first(text)["input_ids"]
+    assert (again.eos_token_id, len(again)) == (first.eos_token_id, len(first))
