@@ -110,11 +110,15 @@ def load_tokenizer(model: Path) -> Any:
 
 
 def load_hf_model(model: Path, **kwargs: Any) -> Any:
-    """transformers' AutoModelForCausalLM of a model folder or of a .gguf file (transformers
-    dequantizes its tensors: the values ppring's stages hold as codes), for the references and
-    baselines that compare with it; `kwargs` go to from_pretrained."""
+    """transformers' AutoModelForCausalLM of a model folder or of a .gguf file, for the
+    references and baselines that compare with it; `kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    if model.name == GGUF_NAME:
+        # the default model: transformers on its converted folder, dense weights, as every
+        # baseline and reference was measured (transformers keeps a GGUF file's weights
+        # packed and multiplies them with kernels of its own)
+        model = prepare_default_model(quiet=True)
     if model.suffix.lower() == ".gguf":
         return AutoModelForCausalLM.from_pretrained(
             model.parent, gguf_file=model.name, local_files_only=True, **kwargs

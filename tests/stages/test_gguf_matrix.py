@@ -290,3 +290,20 @@ def test_the_torch_backend_and_int8_take_the_dequantized_values(
     assert torch.equal(dense(x), torch.nn.functional.linear(x, held.dequantize()))
     int8 = make_linear(held, "int8", kernels, torch.float32)
     assert int8.in_features == 64
+
+
+@pytest.mark.parametrize(("fmt", "error"), [("Q6_K", 0.03), ("Q4_K", 0.1)])
+def test_bench_s_k_quantizers_write_blocks_the_package_reads_back(fmt: str, error: float) -> None:
+    """bench/requant.py's round-to-nearest quantizers (for measuring the kernels on a real
+    model): blocks the `gguf` package reads back near the weights, codes ppring reads alike."""
+    from bench.requant import QUANTIZERS
+
+    rng = np.random.default_rng(28)
+    weight = rng.normal(0, 0.05, size=(16, 512)).astype(np.float32)
+    weight[0, :64] = 0.0  # zero sub-blocks: scale 0
+    blocks = QUANTIZERS[fmt](weight)
+    back = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[fmt]).reshape(weight.shape)
+    assert np.abs(back[0, :64]).max() == 0
+    assert np.sqrt(((back - weight) ** 2).mean() / (weight**2).mean()) < error
+    held = GgufMatrix.of(fmt, torch.from_numpy(blocks), 512)
+    assert torch.equal(held.dequantize(), torch.from_numpy(back))
