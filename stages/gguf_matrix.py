@@ -145,21 +145,34 @@ class GgufMatrix:
         return func(*_dense(args), **_dense(kwargs))
 
     def k_quant_codes(self) -> KQuantCodes | None:
-        """The codes of a matrix all of whose parts are Q6_K, or all Q4_K or Q5_K (Q4_K rows
-        held as Q5_K's, their fifth bits zero), read from the blocks; else None."""
+        """The codes of a matrix all of whose parts are k-quants, read from the blocks (else
+        None): all Q6_K, or all Q4_K or Q5_K (Q4_K rows held as Q5_K's, their fifth bits
+        zero), or Q6_K rows joined with Q4_K or Q5_K rows ("Q4_K+Q6_K", a Q4_K_M file's q, k
+        and v): every row as d q + m per 16 weights, Q6_K's m = -32 d (exact: d is an fp16
+        number times an int8, q and 32 fit 6 bits, so d q, 32 d and their sum are exact in
+        fp32), Q4_K's and Q5_K's d and m repeated for both halves of each 32."""
         formats = set(self.formats)
-        if (
-            not formats
-            or not formats <= set(K_QUANT_BLOCKS)
-            or ("Q6_K" in formats) != (formats == {"Q6_K"})
-        ):
+        if not formats or not formats <= set(K_QUANT_BLOCKS):
             return None
         codes = [_k_quant_codes(part, self.in_features) for part in self.parts]
-        fmt = "Q6_K" if formats == {"Q6_K"} else "Q5_K" if "Q5_K" in formats else "Q4_K"
         if len(codes) == 1:
             return codes[0]
-        m = None if fmt == "Q6_K" else torch.cat([c.m for c in codes])  # type: ignore[misc]
-        return KQuantCodes(fmt, torch.cat([c.q for c in codes]), torch.cat([c.d for c in codes]), m)
+        q = torch.cat([c.q for c in codes])
+        if formats == {"Q6_K"}:
+            return KQuantCodes("Q6_K", q, torch.cat([c.d for c in codes]), None)
+        if "Q6_K" not in formats:
+            fmt = "Q5_K" if "Q5_K" in formats else "Q4_K"
+            m = torch.cat([c.m for c in codes])  # type: ignore[misc]
+            return KQuantCodes(fmt, q, torch.cat([c.d for c in codes]), m)
+        d16, m16 = [], []
+        for c in codes:
+            if c.m is None:  # Q6_K: d per 16, codes q + 32
+                d16.append(c.d)
+                m16.append(-32.0 * c.d)
+            else:
+                d16.append(c.d.repeat_interleave(2, dim=1))
+                m16.append(c.m.repeat_interleave(2, dim=1))
+        return KQuantCodes("+".join(sorted(formats)), q, torch.cat(d16), torch.cat(m16))
 
     def legacy_codes(self) -> LegacyCodes | None:
         """The codes of a matrix all of whose parts are Q4_0, Q4_1 (4 bits) or all Q5_0, Q8_0

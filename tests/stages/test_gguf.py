@@ -35,9 +35,10 @@ LLAMA_FORMATS = {
     "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q6_K", "token_embd": "F16",
     "output": "BF16",
 }  # fmt: skip
-# A k-quant in every matrix, each of a layer's joins in one layout (q/k/v Q5_K and Q4_K: Q5_K)
+# A k-quant in every matrix: q, k and v a join of three (held with d and m per 16, as a
+# Q4_K_M file's q, k in Q4_K and v in Q6_K are), gate and up one of two (held as Q5_K)
 LLAMA_K_FORMATS = {
-    "attn_q": "Q5_K", "attn_k": "Q4_K", "attn_v": "Q5_K", "attn_output": "Q6_K",
+    "attn_q": "Q5_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q6_K",
     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K",
     "output": "Q4_K",
 }  # fmt: skip
@@ -276,7 +277,7 @@ def test_a_k_quant_model_runs_its_codes_fused_as_call_by_call(
             for layer in stage.model.layers
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         }
-        assert names == {"Q4_K", "Q5_K", "Q6_K"}
+        assert names == {"Q4_K+Q5_K+Q6_K", "Q6_K", "Q4_K"}
         assert chain.stages[1].model.lm_head.grid.name == "Q4_K"
         results.append(drive_teacher_forced(chain, seqs, prompt_lens))
     for got, layered in zip(*results, strict=True):

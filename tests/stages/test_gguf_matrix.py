@@ -174,6 +174,11 @@ def k_reference(x: torch.Tensor, codes, passes: int = 2) -> torch.Tensor:  # noq
         if codes.m is None:  # Q6_K: d per 16, w = d (q - 32)
             sums = torch.einsum("mgk,ngk->mng", xq.reshape(m, -1, 16), (q - 32).reshape(n, -1, 16))
             y += (sums * codes.d.double()[None] * dx.repeat_interleave(2, 1)[:, None]).sum(-1)
+        elif codes.d.shape[1] == k // 16:  # a join: d and m per 16
+            xq16, dx16 = xq.reshape(m, -1, 16), dx.repeat_interleave(2, 1)
+            sums = torch.einsum("mgk,ngk->mng", xq16, q.reshape(n, -1, 16))
+            y += (sums * codes.d.double()[None] * dx16[:, None]).sum(-1)
+            y += (codes.m.double()[None] * (dx16 * xq16.sum(-1))[:, None]).sum(-1)
         else:
             sums = torch.einsum("mbk,nbk->mnb", xq, q.reshape(n, -1, 32))
             y += (sums * codes.d.double()[None] * dx[:, None]).sum(-1)
@@ -182,16 +187,30 @@ def k_reference(x: torch.Tensor, codes, passes: int = 2) -> torch.Tensor:  # noq
 
 
 # bytes held per 256 weights: nibbles 128, masks 32 a plane, fp32 d and m per 32 (Q6_K: d per 16)
-K_QUANT_HELD = {"Q4_K": 128 + 64, "Q5_K": 128 + 32 + 64, "Q6_K": 128 + 64 + 64}
+K_QUANT_HELD = {"Q4_K": 128 + 64, "Q5_K": 128 + 32 + 64, "Q6_K": 128 + 64 + 64,
+                "Q4_K+Q6_K": 128 + 64 + 128}  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", K_QUANTS)
+def k_matrix(fmt: str, n: int, k: int, seed: int) -> GgufMatrix:
+    """`matrix`, or for "Q4_K+Q6_K" a join: Q4_K rows, Q6_K rows, Q4_K rows (a Q4_K_M qkv)."""
+    if "+" not in fmt:
+        return matrix(fmt, n, k, seed)
+    return torch.cat(
+        [
+            matrix("Q4_K", 32, k, seed),
+            matrix("Q6_K", n - 48, k, seed + 1),
+            matrix("Q4_K", 16, k, seed + 2),
+        ]
+    )
+
+
+@pytest.mark.parametrize("fmt", [*K_QUANTS, "Q4_K+Q6_K"])
 def test_a_k_quant_multiplies_from_its_codes_as_llama_cpp_does(
     kernels: native.NativeKernels, fmt: str
 ) -> None:
     if not kernels.a8_dot:
         pytest.skip("this CPU has no AVX512_BF16 and VNNI")
-    held = matrix(fmt, 70, 512, 20)
+    held = k_matrix(fmt, 70, 512, 20)
     linear = make_linear(held, "none", kernels, BF16, VECTOR)
     assert isinstance(linear, GridA8Linear) and linear.grid.name == fmt
     dense = held.dequantize()
@@ -223,13 +242,13 @@ def test_a_k_quant_multiplies_from_its_codes_as_llama_cpp_does(
     assert linear.grid.nbytes == 80 * 2 * K_QUANT_HELD[fmt]  # 5 panels, 2 super-blocks a row
 
 
-@pytest.mark.parametrize("fmt", K_QUANTS)
+@pytest.mark.parametrize("fmt", [*K_QUANTS, "Q4_K+Q6_K"])
 def test_a_k_quant_on_amx_tiles_multiplies_its_bf16_weights(
     kernels: native.NativeKernels, fmt: str
 ) -> None:
     if not kernels.amx_bf16:
         pytest.skip("this CPU or build has no AMX-BF16")
-    held = matrix(fmt, 40, 256, 22)
+    held = k_matrix(fmt, 64, 256, 22)
     linear = make_linear(held, "none", kernels, BF16, Switches(amx_rows="1"))
     assert isinstance(linear, GridA8Linear) and linear.amx_rows == 1
     x = torch.randn(37, 256).to(BF16)
@@ -251,8 +270,15 @@ def test_k_quant_joins_share_a_format_where_one_holds_both() -> None:
                   codes.m.repeat_interleave(32, 1))  # fmt: skip
     assert torch.equal(w, both.dequantize())
     assert torch.cat([six, six]).k_quant_codes().format == "Q6_K"
-    # Q6_K has no offsets, Q4_K no per-16 scales: dequantized (no one layout holds both)
-    assert torch.cat([four, six]).k_quant_codes() is None
+    # Q6_K with Q4_K or Q5_K rows: d and m per 16 (Q6_K's m = -32 d), still exactly the values
+    for rows in ([four, six], [six, five, four]):
+        joined = torch.cat(rows).k_quant_codes()
+        rows_held = sum(r.out_features for r in rows)
+        assert joined is not None and joined.d.shape == joined.m.shape == (rows_held, 16)
+        w = torch.add(torch.mul(joined.q.float(), joined.d.repeat_interleave(16, 1)),
+                      joined.m.repeat_interleave(16, 1))  # fmt: skip
+        assert torch.equal(w, torch.cat(rows).dequantize())
+    assert torch.cat([four, six]).k_quant_codes().format == "Q4_K+Q6_K"
     assert torch.cat([matrix("Q8_0", 16, 256, 26), four]).k_quant_codes() is None
 
 

@@ -115,8 +115,19 @@ class GridQuads(_Codes):
         return (8 if self.bits == 4 else 4) * self.codes.shape[1]
 
 
-# ppring.h's GRID_K4, GRID_K5, GRID_K6: a k-quant's format as the kernels name it (its `bits`)
+# ppring.h's GRID_K4, GRID_K5, GRID_K6: a k-quant's format as the kernels name it (its `bits`);
+# any other name is a join of Q6_K rows with Q4_K or Q5_K rows ("Q4_K+Q6_K"): GRID_KM
 K_QUANT_KINDS = {"Q4_K": 20, "Q5_K": 21, "Q6_K": 22}
+K_QUANT_JOIN = 23
+
+
+def k_quant_kind(name: str) -> int:
+    return K_QUANT_KINDS.get(name, K_QUANT_JOIN)
+
+
+def k_quant_planes(name: str) -> int:
+    """Planes of high bits beside the nibbles: Q4_K 0, Q5_K 1, Q6_K and a join 2."""
+    return {"Q4_K": 0, "Q5_K": 1}.get(name, 2)
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,8 @@ class KQuads:
     high bits (Q5_K: bit 4; Q6_K: bits 4 and 5) as 64-bit masks, per group of 8 k a mask per
     plane and half (bit 4 c + j: channel c's k 8 g + 4 half + j), uint8 [P, K * 8 + K / 8 *
     16 * planes]; d fp32 [P, K / 32, 16] (Q6_K: [P, K / 16, 16]) and m fp32 [P, K / 32, 16]
-    (Q6_K: None, its codes being q + 32)."""
+    (Q6_K: None, its codes being q + 32); a join of Q6_K with Q4_K/Q5_K rows ("Q4_K+Q6_K":
+    ppring.h's GRID_KM) 6-bit codes, d and m per 16, [P, K / 16, 16] each."""
 
     name: str  # "Q4_K", "Q5_K" or "Q6_K"
     codes: torch.Tensor
@@ -141,11 +153,13 @@ class KQuads:
     def __post_init__(self) -> None:
         """The kernels read these tensors' raw memory: shapes and dtypes checked once, here."""
         n, k = self.out_features, self.in_features
-        panels, planes = -(-n // PANEL), self.bits - K_QUANT_KINDS["Q4_K"]
-        group = 16 if self.name == "Q6_K" else 32
+        panels, planes = -(-n // PANEL), k_quant_planes(self.name)
+        join = self.bits == K_QUANT_JOIN
+        group = 16 if self.name == "Q6_K" or join else 32
+        offsets = 16 if join else 32
         tensors = [t for t in (self.codes, self.scale, self.offset) if t is not None]
         if (
-            self.name not in K_QUANT_KINDS
+            (self.name not in K_QUANT_KINDS and not (join and "Q6_K" in self.name))
             or k <= 0
             or k % BLOCK
             or self.codes.dtype != torch.uint8
@@ -154,14 +168,17 @@ class KQuads:
             or tuple(self.scale.shape) != (panels, k // group, PANEL)
             or (self.offset is None) != (self.name == "Q6_K")
             or (self.offset is not None and self.offset.dtype != torch.float32)
-            or (self.offset is not None and tuple(self.offset.shape) != (panels, k // BLOCK, PANEL))
+            or (
+                self.offset is not None
+                and tuple(self.offset.shape) != (panels, k // offsets, PANEL)
+            )
             or not all(t.is_contiguous() and t.is_cpu for t in tensors)
         ):
             raise ValueError(f"{self.WHAT} do not fit K = {k} and N = {n}")
 
     @property
     def bits(self) -> int:  # (the kernels' name for the format)
-        return K_QUANT_KINDS[self.name]
+        return k_quant_kind(self.name)
 
     @property
     def nbytes(self) -> int:

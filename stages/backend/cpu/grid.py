@@ -29,12 +29,12 @@ import torch
 
 from stages.backend.cpu.codes import (
     BLOCK,
-    K_QUANT_KINDS,
     PANEL,
     GridCodes,
     GridPairs,
     GridQuads,
     KQuads,
+    k_quant_planes,
 )
 from stages.backend.cpu.native import NativeKernels
 from stages.backend.switches import GRID_WEIGHTS_ENV
@@ -206,8 +206,8 @@ def pack_pairs(found: Found, out_features: int) -> GridPairs:
 def pack_k_quads(
     name: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, out_features: int
 ) -> KQuads:
-    """A k-quant's codes q uint8 [N, K] (0..63), d [N, K / 32 or K / 16] and m [N, K / 32]
-    (or None) fp32 in the k-quant kernel's layout (KQuads; csrc/ documents it)."""
+    """A k-quant's codes q uint8 [N, K] (0..63), d [N, K / 32 or K / 16] and m [N, K / 32 or
+    K / 16] (or None) fp32 in the k-quant kernel's layout (KQuads; csrc/ documents it)."""
     import numpy as np
 
     n, k = q.shape
@@ -218,7 +218,7 @@ def pack_k_quads(
     groups = padded.reshape(rows // PANEL, PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
     low = groups & 15
     nibbles = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(rows // PANEL, -1)  # [P, K * 8]
-    planes = K_QUANT_KINDS[name] - K_QUANT_KINDS["Q4_K"]
+    planes = k_quant_planes(name)
     # per group, plane and half: 64 bits (channel c's k 8 g + 4 half + j at bit 4 c + j)
     codes = nibbles
     if planes:

@@ -39,7 +39,14 @@
  *   codes  Q4_1 [P, K / 8, 64] bytes: byte 4 c + j of group g = q[16p + c][8g + j]
  *                                                             | q[16p + c][8g + 4 + j] << 4
  *          Q8_0 [P, K / 4, 64] bytes: byte 4 c + j of group g = q[16p + c][4g + j] + 128
- *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), as GridPairs */
+ *   scale  [P, K / 32, 16] fp16 (d), offset (Q4_1 only) [P, K / 32, 16] fp16 (m), as GridPairs
+ * and the k-quants (GRID_K4, K5, K6, KM; backend/cpu/codes.py KQuads), w = d q + m (Q6_K:
+ * d (q - 32)), q unsigned in 4 to 6 bits:
+ *   codes  [P, K * 8 + K / 8 * 16 * planes] bytes: the low nibbles as Q4_1's, then per group g
+ *          a 64-bit mask per plane (bit 4, bit 5) and half (k 8g..8g+3, 8g+4..8g+7): bit 4 c + j
+ *          of mask [plane][half] = bit 4 + plane of q[16p + c][8g + 4 half + j]
+ *   scale  [P, K / 32, 16] fp32 (Q6_K, KM: [P, K / 16, 16]), offset [P, K / 32, 16] fp32
+ *          (KM: [P, K / 16, 16]; Q6_K: none) */
 #ifdef HAVE_A8_DOT
 #define A8_MR 4 /* quantized rows per micro-kernel call: 4 x 2 panels x (int32 + fp32 sums) = 16
                   registers */
@@ -160,10 +167,11 @@ static inline __attribute__((always_inline)) __m512i kq_high(__m512i q, const ui
     return q;
 }
 
-/* a8_micro for the k-quants (FMT GRID_K4, GRID_K5, GRID_K6): the same nibbles and vpdpbusd,
- * the high bits added from their masks, fp32 scales (and offsets); Q6_K's scales are per 16,
- * so its integer sums are scaled every two groups, less 32 sum(xq) over those 16 (its codes
- * are q + 32, unsigned for vpdpbusd). */
+/* a8_micro for the k-quants (FMT GRID_K4, GRID_K5, GRID_K6, GRID_KM): the same nibbles and
+ * vpdpbusd, the high bits added from their masks, fp32 scales (and offsets); Q6_K's scales are
+ * per 16, so its integer sums are scaled every two groups, less 32 sum(xq) over those 16 (its
+ * codes are q + 32, unsigned for vpdpbusd); GRID_KM's d and m are per 16, its offset term
+ * m dx sum(xq) over the 16. */
 static inline __attribute__((always_inline)) void kq_micro(
     const int MR, const int PF, const int PASSES, const int FMT, const int8_t *xq,
     const float *dx, const float *sx, const int32_t *sq16, const uint8_t *c0, const uint8_t *c1,
@@ -205,6 +213,23 @@ static inline __attribute__((always_inline)) void kq_micro(
                 a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), u0, B);
                 a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), u1, B);
             }
+            if (FMT == GRID_KM && (o & 1)) { /* the end of 16 k: their d and m j */
+                const int j = 2 * kb + (o >> 1);
+                const __m512 s0 = _mm512_loadu_ps(d0 + j * PANEL);
+                const __m512 s1 = _mm512_loadu_ps(d1 + j * PANEL);
+                const __m512 o0 = _mm512_loadu_ps(m0 + j * PANEL);
+                const __m512 o1 = _mm512_loadu_ps(m1 + j * PANEL);
+                for (int m = 0; m < MR; m++) {
+                    const float dxm = dx[m * KB + kb];
+                    const __m512 rdx = _mm512_set1_ps(dxm);
+                    const __m512 rsx = _mm512_set1_ps(dxm * (float)sq16[m * 2 * KB + j]);
+                    f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
+                                              _mm512_fmadd_ps(o0, rsx, f[m][0]));
+                    f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
+                                              _mm512_fmadd_ps(o1, rsx, f[m][1]));
+                    a[m][0] = a[m][1] = _mm512_setzero_si512();
+                }
+            }
             if (FMT == GRID_K6 && (o & 1)) { /* the end of 16 k: their scale j */
                 const int j = 2 * kb + (o >> 1);
                 const __m512 s0 = _mm512_loadu_ps(d0 + j * PANEL);
@@ -220,7 +245,7 @@ static inline __attribute__((always_inline)) void kq_micro(
                 }
             }
         }
-        if (FMT != GRID_K6) {
+        if (FMT == GRID_K4 || FMT == GRID_K5) {
             const __m512 s0 = _mm512_loadu_ps(d0 + kb * PANEL), s1 = _mm512_loadu_ps(d1 + kb * PANEL);
             const __m512 o0 = _mm512_loadu_ps(m0 + kb * PANEL), o1 = _mm512_loadu_ps(m1 + kb * PANEL);
             for (int m = 0; m < MR; m++) {
@@ -272,7 +297,8 @@ __attribute__((optimize("fp-contract=off"))) static float grid_weight(
         q |= (int)((masks[(int64_t)g * 2 * planes + 2 * plane + j / 4] >> bit) & 1) << (4 + plane);
     if (bits == GRID_K6)
         return (float)(q - 32) * ((const float *)d)[(k / 16) * PANEL + c];
-    return (float)q * ((const float *)d)[block * PANEL + c] + ((const float *)m)[block * PANEL + c];
+    const int at = (k / grid_scale_group(bits)) * PANEL + c;
+    return (float)q * ((const float *)d)[at] + ((const float *)m)[at];
 }
 #endif
 
@@ -289,7 +315,7 @@ int ppr_grid_a8_rows(const uint8_t *codes, const void *scale, const void *offset
         if (ids[t] < 0 || ids[t] >= N) return -1;
     const int64_t panel_codes = grid_panel_code_bytes(K, bits);
     const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
-    const int64_t panel_offsets = (int64_t)(K / GRID_BLOCK) * PANEL;
+    const int64_t panel_offsets = (int64_t)(K / grid_offset_group(bits)) * PANEL;
     const int wide = grid_is_k(bits) ? 4 : 2; /* bytes per scale */
     for (int t = 0; t < T; t++) {
         const int64_t p = ids[t] / PANEL;
@@ -368,7 +394,7 @@ void a8_units(A8Rows rows, const uint8_t *codes, const void *scale, const void *
     const int KB = K / GRID_BLOCK, num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t panel_codes = grid_panel_code_bytes(K, bits);
     const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
-    const int64_t panel_offsets = (int64_t)KB * PANEL;
+    const int64_t panel_offsets = (int64_t)(K / grid_offset_group(bits)) * PANEL;
     const int k_quant = grid_is_k(bits);
 #pragma omp for schedule(guided, 2)
     for (int u = 0; u < num_units; u++) {
@@ -390,6 +416,9 @@ void a8_units(A8Rows rows, const uint8_t *codes, const void *scale, const void *
                             next, panel_codes);
                 else if (bits == GRID_K5)
                     kq_rows(GRID_K5, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,
+                            next, panel_codes);
+                else if (bits == GRID_KM)
+                    kq_rows(GRID_KM, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,
                             next, panel_codes);
                 else
                     kq_rows(GRID_K6, rows, r, mr, pf, c0, c1, d0, d1, m0, m1, y, N, K, p0, np,

@@ -218,9 +218,10 @@ static void amx_decode_kpanel(const uint8_t *codes, const float *d, const float 
                 const __m512 dk = _mm512_loadu_ps(d + (k / 16) * PANEL);
                 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, zero)), dk);
                 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, zero)), dk);
-            } else {
-                const __m512 dk = _mm512_loadu_ps(d + (k / 32) * PANEL);
-                const __m512 mk = _mm512_loadu_ps(m + (k / 32) * PANEL);
+            } else { /* per 32 (Q4_K, Q5_K) or per 16 (GRID_KM) */
+                const int at = (k / grid_scale_group(bits)) * PANEL;
+                const __m512 dk = _mm512_loadu_ps(d + at);
+                const __m512 mk = _mm512_loadu_ps(m + at);
                 w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), dk), mk);
                 w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), dk), mk);
             }
@@ -293,7 +294,7 @@ int ppr_linear_grid_a8_amx(const uint16_t *x, const uint8_t *codes, const void *
     const int num_panels = (N + 15) / 16, num_units = (num_panels + 1) / 2;
     const int64_t panel_codes = grid_panel_code_bytes(K, bits);
     const int64_t panel_scales = (int64_t)(K / grid_scale_group(bits)) * PANEL;
-    const int64_t panel_offsets = (int64_t)(K / GRID_BLOCK) * PANEL;
+    const int64_t panel_offsets = (int64_t)(K / grid_offset_group(bits)) * PANEL;
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
     {

@@ -124,14 +124,18 @@ enum {
 };
 
 /* The formats of a grid-a8 weight (ppr_linear_t bits; matmul_a8.c describes each layout): GGUF's
- * Q4_1 (Q4_0 too) and Q8_0 (Q5_0 too) as 4- and 8-bit codes with fp16 scales, and the k-quants
- * Q4_K, Q5_K and Q6_K as 4-bit codes plus 0, 1 or 2 planes of high bits with fp32 scales. */
-enum { GRID_Q4 = 4, GRID_Q8 = 8, GRID_K4 = 20, GRID_K5 = 21, GRID_K6 = 22 };
+ * Q4_1 (Q4_0 too) and Q8_0 (Q5_0 too) as 4- and 8-bit codes with fp16 scales, the k-quants
+ * Q4_K, Q5_K and Q6_K as 4-bit codes plus 0, 1 or 2 planes of high bits with fp32 scales, and
+ * GRID_KM: rows of Q6_K joined with Q4_K or Q5_K rows (a Q4_K_M file's q, k and v), 6-bit
+ * codes with a d and an m per 16. */
+enum { GRID_Q4 = 4, GRID_Q8 = 8, GRID_K4 = 20, GRID_K5 = 21, GRID_K6 = 22, GRID_KM = 23 };
 
-static inline int grid_is_k(int bits) { return bits >= GRID_K4 && bits <= GRID_K6; }
+static inline int grid_is_k(int bits) { return bits >= GRID_K4 && bits <= GRID_KM; }
 
 /* planes of high bits of a k-quant (bit 4, bit 5), each two 64-bit masks per group of 8 k */
-static inline int grid_k_planes(int bits) { return bits - GRID_K4; }
+static inline int grid_k_planes(int bits) {
+    return bits == GRID_K4 ? 0 : bits == GRID_K5 ? 1 : 2;
+}
 
 /* bytes of codes per panel of 16 channels (K a multiple of 32): nibbles K * 8, 8-bit codes
  * K * 16; a k-quant's nibbles then its masks, K / 8 groups of 2 planes x 2 halves x 8 bytes */
@@ -140,13 +144,18 @@ static inline int64_t grid_panel_code_bytes(int K, int bits) {
     return (int64_t)K * 8 + (grid_is_k(bits) ? (int64_t)(K / 8) * 16 * grid_k_planes(bits) : 0);
 }
 
-/* weights along K per scale: 32, Q6_K's 16 */
-static inline int grid_scale_group(int bits) { return bits == GRID_K6 ? 16 : 32; }
-
-/* whether the format has an offset per 32 (w = d q + m): Q4_1, Q4_K, Q5_K */
-static inline int grid_has_offset(int bits) {
-    return bits == GRID_Q4 || bits == GRID_K4 || bits == GRID_K5;
+/* weights along K per scale: 32, Q6_K's and GRID_KM's 16 */
+static inline int grid_scale_group(int bits) {
+    return bits == GRID_K6 || bits == GRID_KM ? 16 : 32;
 }
+
+/* whether the format has offsets (w = d q + m): Q4_1, Q4_K, Q5_K per 32, GRID_KM per 16 */
+static inline int grid_has_offset(int bits) {
+    return bits == GRID_Q4 || bits == GRID_K4 || bits == GRID_K5 || bits == GRID_KM;
+}
+
+/* weights along K per offset */
+static inline int grid_offset_group(int bits) { return bits == GRID_KM ? 16 : 32; }
 
 /* quantized rows per row of x for a grid-a8 kind */
 static inline int a8_passes(int kind) { return kind == PPR_GRID_A8_1 ? 1 : 2; }
