@@ -7,7 +7,9 @@ goes through the same family checks as a folder. Tensor names map to Hugging Fac
 names; llama.cpp's converter reorders the rows of each q and k head of a `llama` model for its
 rotary (pairs adjacent) and this puts them back (transformers' GGUF loader does the same).
 
-Served: the architectures in ARCHITECTURES, tensors in SERVED_FORMATS. A quantized matrix is
+Served: the architectures in ARCHITECTURES (their tensor names and metadata as llama.cpp's
+converter writes them: Gemma's norms as 1 + w, Phi-3's fused q/k/v and gate/up, its LongRoPE
+factors as tensors), tensors in SERVED_FORMATS. A quantized matrix is
 read as its rows of blocks (stages/gguf_matrix.py GgufMatrix), and the backend decides what it
 holds: the CPU kernels hold a Q4_0, Q4_1, Q5_0 or Q8_0 matrix as its codes, read straight from
 the blocks (the default model served from its GGUF holds all 61 matrices so); the k-quants and
@@ -28,7 +30,16 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# general.architecture -> config.json's model_type, where they differ
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# llama.cpp's converter reorders each q and k head's rows for these (its "normal" rotary)
+_PERMUTED_QK = ("llama",)
+# llama.cpp's converter stores these families' RMSNorm weights as 1 + w (Gemma's form)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 SERVED_FORMATS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # `blk.N.<name>` -> `model.layers.N.<name>`; the rest by their whole name
@@ -44,6 +55,18 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# where a family's names differ from Llama's (llama.cpp's tensor names per architecture)
+_GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_FAMILY_TENSORS = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    # Phi-3's q, k, v in one matrix, and gate, up in `ffn_up` ([2 I, d], as its checkpoint)
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -122,7 +145,7 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
     )
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "num_hidden_layers": need("block_count"),
         "intermediate_size": need("feed_forward_length"),
@@ -151,7 +174,7 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
             "rope_theta": raw["rope_theta"],
             "factors": [float(f) for f in _values(freqs).reshape(-1)],
         }
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and "rope_factors_long.weight" not in names:
         if scaling != "linear":
             raise ConfigError(
                 f"{path} scales its rotary by {scaling!r}, which ppring reads from a GGUF file "
@@ -163,8 +186,54 @@ def config_dicts(path: str | Path, reader: Any | None = None) -> tuple[dict, dic
         }
     if arch == "qwen2":  # (Qwen2's biases are its layer's; its config says nothing of them)
         raw["use_sliding_window"] = False
+    raw.update(_family_fields(path, reader, arch, raw))
     generation = {"eos_token_id": raw["eos_token_id"], "bos_token_id": raw["bos_token_id"]}
     return raw, generation
+
+
+def _family_fields(path: str | Path, reader: Any, arch: str, raw: dict[str, Any]) -> dict:
+    """What a family's config.json says beyond Llama's, from the metadata llama.cpp's converter
+    writes (and, where it writes none, what llama.cpp itself assumes)."""
+    out: dict[str, Any] = {}
+    window = field(reader, f"{arch}.attention.sliding_window")
+    layers, heads, hidden = raw["num_hidden_layers"], raw["num_attention_heads"], raw["hidden_size"]
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp scales attention by head_dim^-0.5, but by (hidden / heads)^-0.5 in the 27B
+        # models (46 layers for Gemma 2, 62 for Gemma 3), as their query_pre_attn_scalar says
+        big = layers == (46 if arch == "gemma2" else 62)
+        out["query_pre_attn_scalar"] = hidden // heads if big else raw["head_dim"]
+        out["sliding_window"] = window
+        # the windowed layers: every other from the first (Gemma 2), five of each six (Gemma 3)
+        pattern = field(reader, f"{arch}.attention.sliding_window_pattern") or (
+            2 if arch == "gemma2" else 6
+        )
+        out["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = field(reader, "gemma2.attn_logit_softcapping")
+        out["final_logit_softcapping"] = field(reader, "gemma2.final_logit_softcapping")
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the windowed layers
+    if arch == "phi3":
+        out["sliding_window"] = window
+        rotary = field(reader, "phi3.rope.dimension_count")
+        out["partial_rotary_factor"] = rotary / raw["head_dim"] if rotary else 1.0
+        tensors = {t.name: t for t in reader.tensors}
+        if "rope_factors_long.weight" in tensors:  # LongRoPE: its factors as two tensors
+            original = field(reader, "phi3.rope.scaling.original_context_length")
+            if not original:
+                raise ConfigError(
+                    f"{path} holds LongRoPE factors but no "
+                    "phi3.rope.scaling.original_context_length; re-convert the file"
+                )
+            out["original_max_position_embeddings"] = original
+            out["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": _values(tensors["rope_factors_long.weight"]).reshape(-1).tolist(),
+                "short_factor": _values(tensors["rope_factors_short.weight"]).reshape(-1).tolist(),
+            }
+    return out
 
 
 def _values(tensor: Any) -> Any:
@@ -186,12 +255,18 @@ def check_formats(path: str | Path, reader: Any) -> None:
             )
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a tensor
-    no stage reads."""
+def layer_tensors(arch: str) -> dict[str, str]:
+    """An architecture's layer tensor names, GGUF's -> Hugging Face's."""
+    return {**_LAYER_TENSORS, **_FAMILY_TENSORS.get(arch, {})}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (in `arch`'s names);
+    None for a tensor no stage reads."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    names = layer_tensors(arch)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
     return None
@@ -222,7 +297,7 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
 
     reader = open_gguf(path)
     arch = field(reader, "general.architecture")
-    by_name = {hf_name(tensor.name): tensor for tensor in reader.tensors}
+    by_name = {hf_name(tensor.name, arch): tensor for tensor in reader.tensors}
     out: dict[str, Any] = {}
     for name in names:
         tensor = by_name.get(name)
@@ -234,10 +309,12 @@ def stage_tensors(path: str | Path, names: list[str], config: Any) -> dict[str, 
             weight = _values(tensor).reshape(shape)
         else:  # rows of blocks: [out, row bytes]
             weight = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
-        if arch == "llama" and ".self_attn.q_proj." in name:
+        if arch in _PERMUTED_QK and ".self_attn.q_proj." in name:
             weight = unpermute_rope(weight, config.num_heads)
-        elif arch == "llama" and ".self_attn.k_proj." in name:
+        elif arch in _PERMUTED_QK and ".self_attn.k_proj." in name:
             weight = unpermute_rope(weight, config.num_kv_heads)
+        if arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            weight = weight - 1.0  # back to the checkpoint's w (the family adds 1, as HF's)
         if kind not in DENSE_FORMATS:
             blocks = torch.from_numpy(np.ascontiguousarray(weight))
             weight = GgufMatrix.of(kind, blocks, shape[1])

@@ -212,17 +212,20 @@ def make_tiny_gemma(
     seed: int = 0,
     init_std: float = 0.02,
     tokenizer: bool = False,
+    llama_cpp: bool = False,
 ) -> Path:
     """Save a random-init fp32 Gemma2ForCausalLM (`version` 2) or Gemma3ForCausalLM (3) to
     `path`: windowed layers (`window`) between full ones (Gemma 2: every other from the first;
     Gemma 3 here: the second full, the rest windowed), query_pre_attn_scalar 24 (not head_dim),
     Gemma 2's soft caps small enough to bite (attention 2, logits 4), Gemma 3's windowed layers
     at theta 10^4 and its full ones at 10^6 with linear scaling x8; options as
-    make_tiny_qwen2's."""
+    make_tiny_qwen2's. `llama_cpp`: only what a GGUF file can say (llama.cpp assumes the rest):
+    query_pre_attn_scalar = head_dim, Gemma 3's layers five windowed of each six."""
     common = _common(num_layers, hidden, heads, kv_heads, intermediate, vocab, tied, tokenizer)
     shared = dict(
         **common, initializer_range=init_std, head_dim=head_dim, sliding_window=window,
-        max_position_embeddings=max_positions, query_pre_attn_scalar=24, pad_token_id=None,
+        max_position_embeddings=max_positions, pad_token_id=None,
+        query_pre_attn_scalar=head_dim if llama_cpp else 24,
     )  # fmt: skip
     if version == 2:
         config = Gemma2Config(
@@ -234,6 +237,10 @@ def make_tiny_gemma(
         return _save(Gemma2ForCausalLM, config, Path(path), seed, tokenizer)
     layer_types = ["sliding_attention"] * num_layers
     layer_types[1] = "full_attention"
+    if llama_cpp:
+        layer_types = [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     config = Gemma3TextConfig(
         **shared,
         layer_types=layer_types,

@@ -15,7 +15,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-from stages.gguf_file import _GLOBAL_TENSORS, _LAYER_TENSORS
+from stages.gguf_file import _GLOBAL_TENSORS, layer_tensors
 
 Q = gguf.GGMLQuantizationType
 ROW_FORMATS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -93,8 +93,12 @@ def write_gguf(
     as a GGUF file at `out`. `formats`: GGUF tensor name stem (`attn_q`, `ffn_down`,
     `token_embd`, ...) -> format; others take `default_format`; 1-D tensors stay F32."""
     config = json.loads((folder / "config.json").read_text())
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[config["architectures"][0]]
+    arch = {
+        "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Gemma2ForCausalLM": "gemma2",
+        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    }[config["architectures"][0]]  # fmt: skip
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(out, arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -104,26 +108,34 @@ def write_gguf(
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (the windowed: 10^4)
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     writer.add_rope_freq_base(theta)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     if rope.get("rope_type") == "llama3":  # as llama.cpp's converter: one divisor a frequency
         head_dim = config["hidden_size"] // heads
         writer.add_tensor("rope_freqs.weight", llama3_factors(rope, theta, head_dim))
     writer.add_vocab_size(config["vocab_size"])
+    _add_family(writer, arch, config, head_dim)
     _add_tokenizer(writer, folder, config)
     rng = np.random.default_rng(seed)
     formats = formats or {}
     names = {hf: gg for gg, hf in _GLOBAL_TENSORS.items()}
+    layer_names = {hf: gg for gg, hf in layer_tensors(arch).items()}
     for name, weight in sorted(load_file(str(folder / "model.safetensors")).items()):
         stem, _, suffix = name.rpartition(".")
         if stem.startswith("model.layers."):
             _, _, layer, rest = stem.split(".", 3)
-            gg = next(g for g, h in _LAYER_TENSORS.items() if h == rest)
+            gg = layer_names[rest]
             gguf_name, fmt_key = f"blk.{layer}.{gg}.{suffix}", gg
         else:
             gguf_name, fmt_key = f"{names[stem]}.{suffix}", names[stem]
         if arch == "llama" and fmt_key in ("attn_q", "attn_k") and suffix == "weight":
             weight = permute_rope(weight, heads if fmt_key == "attn_q" else kv_heads)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            weight = weight + 1  # as llama.cpp's converter stores Gemma's norms
         data, qtype = encode(weight, formats.get(fmt_key, default_format), rng)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -131,6 +143,28 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _add_family(writer: gguf.GGUFWriter, arch: str, config: dict, head_dim: int) -> None:
+    """The metadata llama.cpp's converter writes for Gemma 2/3 and Phi-3 beyond Llama's."""
+    if arch.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "phi3":
+        rope = config.get("rope_parameters") or {}
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        writer.add_rope_dimension_count(int(head_dim * partial))
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+        if rope.get("rope_type") == "longrope":  # the factors as tensors, as llama.cpp's
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            for which in ("long", "short"):
+                factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+                writer.add_tensor(f"rope_factors_{which}.weight", factors)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, config: dict) -> None:
@@ -153,6 +187,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path, config: dict) -> None:
     writer.add_token_scores([0.0] * len(tokens))  # (transformers' converter reads them)
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["eos_token_id"])  # (Phi-3's config defaults to 32000)
 
 
 def tiny_gguf_pair(

@@ -245,10 +245,11 @@ class DecoderLayer(nn.Module):
         self.down_proj = backend.linear(down)
 
     def _reorder_qk(self, qkv: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """qkv [(h + 2 h_kv) d_head, ...] with every q and k head's rows in `order`."""
+        """qkv [(h + 2 h_kv) d_head, ...] with every q and k head's rows in `order` (rows taken
+        by index, so a matrix still in its file's blocks stays so)."""
         q_k = (self.num_heads + self.num_kv_heads) * self.head_dim
-        heads = qkv[:q_k].unflatten(0, (-1, self.head_dim))  # [h + h_kv, d_head, ...]
-        return torch.cat((heads[:, order].flatten(0, 1), qkv[q_k:]))
+        heads = torch.arange(q_k).view(-1, self.head_dim)[:, order].flatten()
+        return qkv[torch.cat((heads, torch.arange(q_k, qkv.shape[0])))]
 
     def forward(
         self,
