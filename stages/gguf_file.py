@@ -9,7 +9,7 @@ rotary (pairs adjacent) and this puts them back (transformers' GGUF loader does 
 
 Served: the architectures in ARCHITECTURES (their tensor names and metadata as llama.cpp's
 converter writes them: Gemma's norms as 1 + w, Phi-3's fused q/k/v and gate/up, its LongRoPE
-factors as tensors), tensors in SERVED_FORMATS. A quantized matrix is
+factors as tensors, Granite's scalars), tensors in SERVED_FORMATS. A quantized matrix is
 read as its rows of blocks (stages/gguf_matrix.py GgufMatrix), and the backend decides what it
 holds: the CPU kernels hold a Q4_0, Q4_1, Q5_0 or Q8_0 matrix as its codes, read straight from
 the blocks (the default model served from its GGUF holds all 61 matrices so); the k-quants and
@@ -33,11 +33,13 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # general.architecture -> config.json's model_type, where they differ
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 # llama.cpp's converter reorders each q and k head's rows for these (its "normal" rotary)
-_PERMUTED_QK = ("llama",)
+_PERMUTED_QK = ("llama", "granite")
 # llama.cpp's converter stores these families' RMSNorm weights as 1 + w (Gemma's form)
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 SERVED_FORMATS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -67,6 +69,18 @@ _FAMILY_TENSORS = {
     "gemma3": _GEMMA_NAMES,
     # Phi-3's q, k, v in one matrix, and gate, up in `ffn_up` ([2 I, d], as its checkpoint)
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # OLMo 2's norms after attention and the MLP (none before)
+    "olmo2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# Granite's four scalars: config.json's name -> its metadata key's tail
+_GRANITE_SCALARS = {
+    "attention_multiplier": "attention.scale",
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "logits_scaling": "logit_scale",
 }
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -215,6 +229,11 @@ def _family_fields(path: str | Path, reader: Any, arch: str, raw: dict[str, Any]
         out["final_logit_softcapping"] = field(reader, "gemma2.final_logit_softcapping")
     if arch == "gemma3":
         out["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the windowed layers
+    if arch == "granite":
+        for name, key in _GRANITE_SCALARS.items():
+            value = field(reader, f"granite.{key}")
+            if value is not None:
+                out[name] = value
     if arch == "phi3":
         out["sliding_window"] = window
         rotary = field(reader, "phi3.rope.dimension_count")

@@ -95,7 +95,8 @@ def write_gguf(
     config = json.loads((folder / "config.json").read_text())
     arch = {
         "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Gemma2ForCausalLM": "gemma2",
-        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
+        "GraniteForCausalLM": "granite",
     }[config["architectures"][0]]  # fmt: skip
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -132,7 +133,7 @@ def write_gguf(
             gguf_name, fmt_key = f"blk.{layer}.{gg}.{suffix}", gg
         else:
             gguf_name, fmt_key = f"{names[stem]}.{suffix}", names[stem]
-        if arch == "llama" and fmt_key in ("attn_q", "attn_k") and suffix == "weight":
+        if arch in ("llama", "granite") and fmt_key in ("attn_q", "attn_k") and suffix == "weight":
             weight = permute_rope(weight, heads if fmt_key == "attn_q" else kv_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             weight = weight + 1  # as llama.cpp's converter stores Gemma's norms
@@ -146,7 +147,8 @@ def write_gguf(
 
 
 def _add_family(writer: gguf.GGUFWriter, arch: str, config: dict, head_dim: int) -> None:
-    """The metadata llama.cpp's converter writes for Gemma 2/3 and Phi-3 beyond Llama's."""
+    """The metadata llama.cpp's converter writes for Gemma 2/3, Phi-3 and Granite beyond
+    Llama's."""
     if arch.startswith("gemma"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -154,6 +156,11 @@ def _add_family(writer: gguf.GGUFWriter, arch: str, config: dict, head_dim: int)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "granite":  # as llama.cpp's converter names them
+        writer.add_float32("granite.attention.scale", config["attention_multiplier"])
+        writer.add_float32("granite.embedding_scale", config["embedding_multiplier"])
+        writer.add_float32("granite.residual_scale", config["residual_multiplier"])
+        writer.add_float32("granite.logit_scale", config["logits_scaling"])
     if arch == "phi3":
         rope = config.get("rope_parameters") or {}
         partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))

@@ -26,7 +26,7 @@ from stages.backend.cpu.linear import (
 from stages.backend.switches import Switches
 from stages.backend.torch.linear import DenseLinear
 from stages.gguf_matrix import GgufMatrix
-from tests.stages.test_grid_a8 import reference
+from tests.stages.test_grid_a8 import quantized_passes, reference
 from tests.tiny_gguf import k_quant_blocks
 
 BF16 = torch.bfloat16
@@ -161,16 +161,9 @@ def k_reference(x: torch.Tensor, codes, passes: int = 2) -> torch.Tensor:  # noq
     dx, plus Q4_K/Q5_K's m dx sum(xq) (Q6_K's codes less 32)."""
     m, k = x.shape
     n = codes.q.shape[0]
-    residual = x.float().reshape(m, k // 32, 32)
     q = codes.q.double()
     y = torch.zeros(m, n, dtype=torch.float64)
-    for _ in range(passes):
-        amax = residual.abs().amax(dim=-1)  # [M, B]
-        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-        xq = torch.round(residual * inv[..., None])
-        dx = amax / 127.0
-        residual = residual - xq * dx[..., None]
-        xq, dx = xq.double(), dx.double()
+    for xq, dx in quantized_passes(x, passes):
         if codes.m is None:  # Q6_K: d per 16, w = d (q - 32)
             sums = torch.einsum("mgk,ngk->mng", xq.reshape(m, -1, 16), (q - 32).reshape(n, -1, 16))
             y += (sums * codes.d.double()[None] * dx.repeat_interleave(2, 1)[:, None]).sum(-1)

@@ -36,15 +36,14 @@ def _default_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(AMX_ROWS_ENV, "0")
 
 
-def reference(x: torch.Tensor, found: grid.Found, passes: int = 2) -> torch.Tensor:
-    """What the kernel computes, in float64: x [M, K] bf16 -> [M, N]. Per block of 32 of a row,
-    `passes` passes, a second over what the first missed (r = x, then r - dx xq): dx = max |r| /
-    127 and xq = round(r / dx) in fp32 (the division correctly rounded, ties to even); then
-    sum(q xq) exact, and over passes and blocks (d dx) sum(q xq) + m dx sum(xq)."""
+def quantized_passes(x: torch.Tensor, passes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """x [M, K] bf16 as the kernels quantize it: per block of 32 of a row, `passes` passes, a
+    second over what the first missed (r = x, then r - dx xq): dx = max |r| / 127 and xq =
+    round(r / dx) in fp32 (the division correctly rounded, ties to even). Each pass's (xq
+    [M, K / 32, 32], dx [M, K / 32]) in float64."""
     m, k = x.shape
     residual = x.float().reshape(m, k // 32, 32)
-    q = found.q.double().reshape(found.q.shape[0], k // 32, 32)
-    y = torch.zeros(m, q.shape[0], dtype=torch.float64)
+    out = []
     for _ in range(passes):
         amax = residual.abs().amax(dim=-1)  # [M, B]
         # tensor / tensor: torch divides a scalar by a tensor through its reciprocal (one ulp
@@ -53,7 +52,18 @@ def reference(x: torch.Tensor, found: grid.Found, passes: int = 2) -> torch.Tens
         xq = torch.round(residual * inv[..., None])
         dx = amax / 127.0
         residual = residual - xq * dx[..., None]
-        xq, dx = xq.double(), dx.double()
+        out.append((xq.double(), dx.double()))
+    return out
+
+
+def reference(x: torch.Tensor, found: grid.Found, passes: int = 2) -> torch.Tensor:
+    """What the kernel computes, in float64: x [M, K] bf16 -> [M, N]. x quantized as
+    quantized_passes says; then sum(q xq) exact, and over passes and blocks (d dx) sum(q xq)
+    + m dx sum(xq)."""
+    m, k = x.shape
+    q = found.q.double().reshape(found.q.shape[0], k // 32, 32)
+    y = torch.zeros(m, q.shape[0], dtype=torch.float64)
+    for xq, dx in quantized_passes(x, passes):
         sums = torch.einsum("mbk,nbk->mnb", xq, q)  # [M, N, B], exact integers
         y += (sums * found.d.double()[None] * dx[:, None]).sum(-1)
         if found.m is not None:
