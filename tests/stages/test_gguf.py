@@ -348,3 +348,22 @@ def test_the_file_s_tokenizer_is_rebuilt_once_then_read_from_the_cache(
     text = "pipeline parallelism, in two sentences \u00fc 42"
     assert again(text)["input_ids"] == first(text)["input_ids"]
     assert (again.eos_token_id, len(again)) == (first.eos_token_id, len(first))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_split_lm_head_takes_rows_of_the_file_s_blocks(
+    gguf_files: dict[str, Path], dtype: str
+) -> None:
+    """The lm_head split over both ends: each holds its rows of the file's blocks (Q4_K codes
+    in bf16), and the greedy tokens are the unsplit chain's."""
+    path = gguf_files["llama-k"]
+    split = Chain(path, [2, 2], dtype=dtype, split_lm_head=True)
+    assert split.split_lm_head
+    if dtype == "bfloat16":
+        heads = [stage.model.lm_head for stage in split.stages]
+        assert all(head.grid.name == "Q4_K" for head in heads)
+        assert sum(head.out_features for head in heads) == TOKENIZER_VOCAB
+    prompts = random_seqs([9, 26], seed=14)
+    got = greedy_generate(split, prompts, max_new_tokens=10, eos_ids=[TOKENIZER_EOS_ID])
+    whole = Chain(path, [2, 2], dtype=dtype)
+    assert got == greedy_generate(whole, prompts, max_new_tokens=10, eos_ids=[TOKENIZER_EOS_ID])
