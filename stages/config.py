@@ -14,13 +14,11 @@ from typing import Any
 
 from protocol.dtypes import dtype_bytes
 from stages.errors import ConfigError
+from stages.gguf_file import FREQ_FACTORS, config_dicts, is_gguf
 from stages.layer_spec import LayerSpec
 from stages.models import family_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-# A GGUF file's rope_freqs (llama.cpp's Llama 3 scaling, a divisor per frequency): read from the
-# file (stages/gguf_file.py), never from a config.json
-FREQ_FACTORS = "freq_factors"
 
 # The dtypes a stage may compute in (protocol/dtypes.py holds their sizes).
 STAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -88,8 +86,6 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
         """From a Hugging Face folder or a .gguf file (its metadata: stages/gguf_file.py)."""
-        from stages.gguf_file import config_dicts, is_gguf
-
         if is_gguf(path):
             raw, generation = config_dicts(path)
             return cls.from_dict(raw, generation, source=str(path))

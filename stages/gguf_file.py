@@ -22,8 +22,11 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from stages.config import FREQ_FACTORS
 from stages.errors import ConfigError
+
+# A GGUF file's rope_freqs (llama.cpp's Llama 3 scaling, a divisor per frequency) as a rope type:
+# read from the file, never from a config.json (stages/config.py turns it into a RopeScaling)
+FREQ_FACTORS = "freq_factors"
 
 # general.architecture -> Hugging Face architecture
 ARCHITECTURES = {
