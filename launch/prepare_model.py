@@ -98,9 +98,9 @@ def load_tokenizer(model: Path) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(
         model.parent, gguf_file=model.name, local_files_only=True
     )
+    tmp = saved.with_name(f".{saved.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:  # written beside and renamed: a reader never sees half a copy
         saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved.with_name(f".{saved.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER_NAME).write_text(json.dumps({"source": str(model.resolve())}) + "\n")
         tmp.rename(saved)

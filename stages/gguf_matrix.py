@@ -6,8 +6,9 @@ a part per format; any other torch use first dequantizes it (exactly as the `ggu
 does), so a backend or family that cannot take blocks still gets the file's values.
 
 What a backend does with one (stages/backend/cpu/linear.py): the CPU kernels hold a Q4_0,
-Q4_1, Q5_0 or Q8_0 matrix as its codes straight from these blocks (`legacy_codes`: no fp32
-copy, no search for a grid); a GPU stage dequantizes to its dtype at load.
+Q4_1, Q5_0 or Q8_0 matrix (`legacy_codes`) and, in bf16, a Q4_K, Q5_K or Q6_K one
+(`k_quant_codes`) as its codes straight from these blocks (no fp32 copy, no search for a
+grid); a GPU stage dequantizes to its dtype at load.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class KQuantCodes:
     computes from a super-block's fp16 scales and 6- or 8-bit sub-scales, so d q + m (two
     roundings) and d (q - 32) are its dequantization, bit for bit."""
 
-    format: str  # "Q4_K", "Q5_K" or "Q6_K"
+    format: str  # "Q4_K", "Q5_K", "Q6_K", or a join with Q6_K rows such as "Q4_K+Q6_K"
     q: torch.Tensor  # uint8 [N, K]: 0..15, 0..31 or 0..63
-    d: torch.Tensor  # fp32 [N, K / 32] (Q6_K: [N, K / 16])
-    m: torch.Tensor | None  # fp32 [N, K / 32] (Q6_K: None)
+    d: torch.Tensor  # fp32 [N, K / 32] (Q6_K and a join: [N, K / 16])
+    m: torch.Tensor | None  # fp32 [N, K / 32] (a join: [N, K / 16]; Q6_K: None)
 
 
 @dataclass(frozen=True)

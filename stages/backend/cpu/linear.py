@@ -443,40 +443,47 @@ def _gguf_linear(
     dtype: torch.dtype,
     switches: Switches,
 ) -> nn.Module:
-    """The module for a matrix as its GGUF file's blocks: on the CPU kernels a Q4_0, Q4_1, Q5_0
-    or Q8_0 matrix held as its codes, read from the blocks (no fp32 copy, no search); anything
-    else from its dequantized values, as make_linear holds a checkpoint's."""
-    codes = weight.legacy_codes()
-    on_cpu = kernels is not None and weight.device.type == "cpu" and quantization == "none"
-    if on_cpu and codes is not None and switches.grid_weights:
+    """The module for a matrix as its GGUF file's blocks: on the CPU kernels held as its codes
+    where a layout takes them (`_codes_linear`), else from its dequantized values, as
+    make_linear holds a checkpoint's."""
+    on_cpu = kernels is not None and weight.device.type == "cpu"
+    if on_cpu and quantization == "none" and switches.grid_weights:
         assert kernels is not None
+        held = _codes_linear(weight, kernels, dtype, switches)
+        if held is not None:
+            return held
+    dense = weight.dequantize()  # [N, K] fp32: the file's values
+    return make_linear(dense, quantization, kernels, dtype, replace(switches, grid_weights=False))
+
+
+def _codes_linear(
+    weight: GgufMatrix, kernels: NativeKernels, dtype: torch.dtype, switches: Switches
+) -> nn.Module | None:
+    """A CPU stage's module holding `weight` as codes read from its blocks, or None: Q4_0,
+    Q4_1, Q5_0 and Q8_0 on the grid kernels (fp32 or bf16; no fp32 copy, no search); the
+    k-quants on the int8-activation kernel (bf16 with VNNI)."""
+    way = bf16_grid_way(kernels, switches.grid_activations)
+    a8 = dtype == torch.bfloat16 and way in A8_PASSES
+    module: nn.Module | None = None
+    codes = weight.legacy_codes()
+    if codes is not None:
         found = grid.Found(codes.bits, codes.q, codes.d, codes.m)
         if dtype == torch.float32:
             return GridLinear(grid.pack_codes(found, weight.out_features), kernels)
-        if dtype == torch.bfloat16 and kernels.bf16_dot:
-            way = bf16_grid_way(kernels, switches.grid_activations)
-            module: nn.Module | None = None
-            if way in A8_PASSES:
-                quads = grid.pack_quads(found, weight.out_features)
-                module = GridA8Linear(quads, kernels, A8_PASSES[way])
-            else:
-                module = _grid_bf16_linear(found, weight.dequantize(), kernels)
-            if module is not None:
-                module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
-                return module
-    k_codes = weight.k_quant_codes()
-    if on_cpu and k_codes is not None and switches.grid_weights and dtype == torch.bfloat16:
-        assert kernels is not None
-        if bf16_grid_way(kernels, switches.grid_activations) in A8_PASSES:
-            way = bf16_grid_way(kernels, switches.grid_activations)
-            quads = grid.pack_k_quads(
-                k_codes.format, k_codes.q, k_codes.d, k_codes.m, weight.out_features
+        if a8:
+            module = GridA8Linear(
+                grid.pack_quads(found, weight.out_features), kernels, A8_PASSES[way]
             )
-            module = GridA8Linear(quads, kernels, A8_PASSES[way])
-            module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
-            return module
-    dense = weight.dequantize()  # [N, K] fp32: the file's values
-    return make_linear(dense, quantization, kernels, dtype, replace(switches, grid_weights=False))
+        elif dtype == torch.bfloat16 and kernels.bf16_dot:
+            module = _grid_bf16_linear(found, weight.dequantize(), kernels)
+    elif a8 and (k_codes := weight.k_quant_codes()) is not None:
+        quads = grid.pack_k_quads(
+            k_codes.format, k_codes.q, k_codes.d, k_codes.m, weight.out_features
+        )
+        module = GridA8Linear(quads, kernels, A8_PASSES[way])
+    if module is not None:
+        module.amx_rows = amx_rows_for(module, kernels, switches.amx_rows)
+    return module
 
 
 def source_dtype(

@@ -79,6 +79,54 @@ static inline void a8_fetch_scales(const uint16_t *d, const uint16_t *m, int64_t
     }
 }
 
+/* a group's 64 bytes of nibbles as bytes: lo its k 8g..8g+3 (low nibbles), hi 8g+4..8g+7 */
+static inline __attribute__((always_inline)) void a8_nibbles(__m512i v, __m512i *lo, __m512i *hi) {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    *lo = _mm512_and_si512(v, nibble);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+}
+
+/* quantized rows [0, MR) of xq (K apart) times group g (8 k) of both panels' codes, bytes lo0,
+ * hi0 and lo1, hi1 (k 0-3, 4-7), summed into a[m][panel] */
+static inline __attribute__((always_inline)) void a8_group8(const int MR, const int8_t *xq, int K,
+                                                            int g, __m512i lo0, __m512i hi0,
+                                                            __m512i lo1, __m512i hi1,
+                                                            __m512i (*a)[2]) {
+    for (int m = 0; m < MR; m++) {
+        int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
+        memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
+        memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
+        const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
+        a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], lo0, A), hi0, B);
+        a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], lo1, A), hi1, B);
+    }
+}
+
+/* f += a block's integer sums a scaled, w = d q + m: (d dx) sum(q xq) + m dx sum(xq), per
+ * row m (dx[m], sx[m] = dx sum(xq) `stride` apart) and panel (d s0/s1, m o0/o1) */
+static inline __attribute__((always_inline)) void a8_scale_offset(
+    const int MR, __m512i (*a)[2], __m512 (*f)[2], __m512 s0, __m512 s1, __m512 o0, __m512 o1,
+    const float *dx, const float *sx, int stride) {
+    for (int m = 0; m < MR; m++) {
+        const __m512 rdx = _mm512_set1_ps(dx[m * stride]);
+        const __m512 rsx = _mm512_set1_ps(sx[m * stride]);
+        f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
+                                  _mm512_fmadd_ps(o0, rsx, f[m][0]));
+        f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
+                                  _mm512_fmadd_ps(o1, rsx, f[m][1]));
+    }
+}
+
+/* the rows of y: a row of x's passes summed (PASSES 2), each rounded to bf16 once */
+static inline __attribute__((always_inline)) void a8_store(const int MR, const int PASSES,
+                                                           __m512 (*f)[2], uint16_t *y, int N,
+                                                           int p0, int np) {
+    if (PASSES == 2)
+        for (int m = 0; m < MR / 2; m++)
+            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
+    pb_store(MR / PASSES, f, y, N, p0, np);
+}
+
 /* Quantized rows [0, MR) (MR / PASSES rows of y: PASSES quantized rows a row of x, summed at
  * the end) x panels p0, p0 + 1 (np; with one, c1 = c0 and its sums are not stored). PF (a
  * constant, so the other calls compile as if it were not there): the next unit's codes, at
@@ -90,7 +138,6 @@ static inline __attribute__((always_inline)) void a8_micro(
     const uint16_t *m0, const uint16_t *m1, uint16_t *y, int N, int K, int p0, int np,
     const uint8_t *next, int64_t next_stride) {
     const int KB = K / GRID_BLOCK;
-    const __m512i nibble = _mm512_set1_epi8(15);
     __m512 f[A8_MR][2];
     for (int m = 0; m < MR; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
@@ -100,20 +147,10 @@ static inline __attribute__((always_inline)) void a8_micro(
             for (int o = 0; o < 4; o++) { /* group g holds 8 k */
                 const int g = 4 * kb + o;
                 if (PF) a8_fetch(next, next_stride, g);
-                const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
-                const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
-                const __m512i l0 = _mm512_and_si512(v0, nibble);
-                const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
-                const __m512i l1 = _mm512_and_si512(v1, nibble);
-                const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
-                for (int m = 0; m < MR; m++) {
-                    int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
-                    memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
-                    memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
-                    const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
-                    a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), h0, B);
-                    a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), h1, B);
-                }
+                __m512i l0, h0, l1, h1;
+                a8_nibbles(_mm512_loadu_si512(c0 + (int64_t)g * 64), &l0, &h0);
+                a8_nibbles(_mm512_loadu_si512(c1 + (int64_t)g * 64), &l1, &h1);
+                a8_group8(MR, xq, K, g, l0, h0, l1, h1, a);
             }
         } else {
             for (int o = 0; o < 8; o++) { /* group g holds 4 k */
@@ -133,14 +170,7 @@ static inline __attribute__((always_inline)) void a8_micro(
         const __m512 s0 = fp16x16_load(d0 + kb * PANEL), s1 = fp16x16_load(d1 + kb * PANEL);
         if (bits == 4) {
             const __m512 o0 = fp16x16_load(m0 + kb * PANEL), o1 = fp16x16_load(m1 + kb * PANEL);
-            for (int m = 0; m < MR; m++) {
-                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
-                const __m512 rsx = _mm512_set1_ps(sx[m * KB + kb]);
-                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
-                                          _mm512_fmadd_ps(o0, rsx, f[m][0]));
-                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
-                                          _mm512_fmadd_ps(o1, rsx, f[m][1]));
-            }
+            a8_scale_offset(MR, a, f, s0, s1, o0, o1, dx + kb, sx + kb, KB);
         } else {
             for (int m = 0; m < MR; m++) {
                 const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
@@ -152,10 +182,7 @@ static inline __attribute__((always_inline)) void a8_micro(
             }
         }
     }
-    if (PASSES == 2) /* a row of x: its passes' rows summed */
-        for (int m = 0; m < MR / 2; m++)
-            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
-    pb_store(MR / PASSES, f, y, N, p0, np);
+    a8_store(MR, PASSES, f, y, N, p0, np);
 }
 
 /* 64 bytes of nibbles with the high bits of their codes set where masks `at` [planes] (bit 4,
@@ -180,7 +207,6 @@ static inline __attribute__((always_inline)) void kq_micro(
     const int KB = K / GRID_BLOCK, PLANES = grid_k_planes(FMT), H = 2 * PLANES;
     const uint64_t *h0 = (const uint64_t *)(c0 + (int64_t)K * 8);
     const uint64_t *h1 = (const uint64_t *)(c1 + (int64_t)K * 8);
-    const __m512i nibble = _mm512_set1_epi8(15);
     __m512 f[A8_MR][2];
     for (int m = 0; m < MR; m++) f[m][0] = f[m][1] = _mm512_setzero_ps();
     for (int kb = 0; kb < KB; kb++) {
@@ -193,26 +219,16 @@ static inline __attribute__((always_inline)) void kq_micro(
                 if (PLANES && (g * PLANES) % 4 == 0) /* a line of masks holds 4 / PLANES groups' */
                     a8_fetch(next + (int64_t)K * 8, next_stride, g * PLANES / 4);
             }
-            const __m512i v0 = _mm512_loadu_si512(c0 + (int64_t)g * 64);
-            const __m512i v1 = _mm512_loadu_si512(c1 + (int64_t)g * 64);
-            __m512i l0 = _mm512_and_si512(v0, nibble);
-            __m512i u0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
-            __m512i l1 = _mm512_and_si512(v1, nibble);
-            __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+            __m512i l0, u0, l1, u1;
+            a8_nibbles(_mm512_loadu_si512(c0 + (int64_t)g * 64), &l0, &u0);
+            a8_nibbles(_mm512_loadu_si512(c1 + (int64_t)g * 64), &l1, &u1);
             if (PLANES) { /* masks of group g: [plane][half] */
                 l0 = kq_high(l0, h0 + (int64_t)g * H, PLANES);
                 u0 = kq_high(u0, h0 + (int64_t)g * H + 1, PLANES);
                 l1 = kq_high(l1, h1 + (int64_t)g * H, PLANES);
                 u1 = kq_high(u1, h1 + (int64_t)g * H + 1, PLANES);
             }
-            for (int m = 0; m < MR; m++) {
-                int32_t xa, xb; /* x[8g .. 8g + 3] and x[8g + 4 .. 8g + 7] */
-                memcpy(&xa, xq + (int64_t)m * K + 8 * g, 4);
-                memcpy(&xb, xq + (int64_t)m * K + 8 * g + 4, 4);
-                const __m512i A = _mm512_set1_epi32(xa), B = _mm512_set1_epi32(xb);
-                a[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][0], l0, A), u0, B);
-                a[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[m][1], l1, A), u1, B);
-            }
+            a8_group8(MR, xq, K, g, l0, u0, l1, u1, a);
             if (FMT == GRID_KM && (o & 1)) { /* the end of 16 k: their d and m j */
                 const int j = 2 * kb + (o >> 1);
                 const __m512 s0 = _mm512_loadu_ps(d0 + j * PANEL);
@@ -245,23 +261,12 @@ static inline __attribute__((always_inline)) void kq_micro(
                 }
             }
         }
-        if (FMT == GRID_K4 || FMT == GRID_K5) {
-            const __m512 s0 = _mm512_loadu_ps(d0 + kb * PANEL), s1 = _mm512_loadu_ps(d1 + kb * PANEL);
-            const __m512 o0 = _mm512_loadu_ps(m0 + kb * PANEL), o1 = _mm512_loadu_ps(m1 + kb * PANEL);
-            for (int m = 0; m < MR; m++) {
-                const __m512 rdx = _mm512_set1_ps(dx[m * KB + kb]);
-                const __m512 rsx = _mm512_set1_ps(sx[m * KB + kb]);
-                f[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][0]), _mm512_mul_ps(s0, rdx),
-                                          _mm512_fmadd_ps(o0, rsx, f[m][0]));
-                f[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[m][1]), _mm512_mul_ps(s1, rdx),
-                                          _mm512_fmadd_ps(o1, rsx, f[m][1]));
-            }
-        }
+        if (FMT == GRID_K4 || FMT == GRID_K5)
+            a8_scale_offset(MR, a, f, _mm512_loadu_ps(d0 + kb * PANEL),
+                            _mm512_loadu_ps(d1 + kb * PANEL), _mm512_loadu_ps(m0 + kb * PANEL),
+                            _mm512_loadu_ps(m1 + kb * PANEL), dx + kb, sx + kb, KB);
     }
-    if (PASSES == 2) /* a row of x: its passes' rows summed */
-        for (int m = 0; m < MR / 2; m++)
-            for (int j = 0; j < 2; j++) f[m][j] = _mm512_add_ps(f[2 * m][j], f[2 * m + 1][j]);
-    pb_store(MR / PASSES, f, y, N, p0, np);
+    a8_store(MR, PASSES, f, y, N, p0, np);
 }
 #endif
 
