@@ -92,9 +92,10 @@ def split_config(config: str) -> tuple[str, str, str]:
     "float32" -> ("float32", "none", "int8x2"); "bfloat16+exact" -> ("bfloat16", "none", "bf16");
     "auto+a8" -> ("auto", "none", "int8"). The last is how a bf16 stage multiplies GGUF codes
     (stages/backend/switches.py grid_activations): `exact` decoded to bf16, `a8` times int8
-    activations in one pass (llama.cpp's), else in two."""
+    activations in one pass (llama.cpp's), else in two. `kv8` (the KV cache in 8 bits:
+    kv_cache_of) may join any of them."""
     parts = config.split("+")
-    flags = [p for p in parts if p in ("int8", "exact", "a8")]
+    flags = [p for p in parts if p in ("int8", "exact", "a8", "kv8")]
     dtypes = [p for p in parts if p not in flags]
     dtype = dtypes[0] if dtypes else "auto"
     quantization = "int8" if "int8" in flags else "none"
@@ -105,10 +106,16 @@ def split_config(config: str) -> tuple[str, str, str]:
         or ("exact" in flags and "a8" in flags)
     ):
         raise ValueError(
-            f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact, D+a8"
+            f"{config} is not a configuration: use float32, bfloat16, int8, D+int8, D+exact, "
+            "D+a8, each with +kv8 or not"
         )
     activations = "bf16" if "exact" in flags else "int8" if "a8" in flags else "int8x2"
     return dtype, quantization, activations
+
+
+def kv_cache_of(config: str) -> str:
+    """--kv-cache-dtype of a configuration: int8 where it names `kv8`, else auto."""
+    return "int8" if "kv8" in config.split("+") else "auto"
 
 
 def greedy(runner: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -171,6 +178,7 @@ def load_runner(
 
     config = ModelConfig.from_path(model_dir)
     dtype, quantization, activations = split_config(name)
+    kv_cache = kv_cache_of(name)
     resolved = resolve_dtype(dtype, "cpu", config.torch_dtype).name
     # read as the stage loads its matrices; the caller's setting is back after the load
     with mock.patch.dict(os.environ, {GRID_ACTIVATIONS_ENV: activations}):
@@ -178,15 +186,18 @@ def load_runner(
             model_dir,
             0,
             config.num_layers,
-            kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved),
+            kv_budget_bytes=blocks * bytes_per_block(config, config.num_layers, resolved, kv_cache),
             dtype=resolved,
             num_threads=threads or os.cpu_count(),
             quantization=quantization,
+            kv_cache_dtype=kv_cache,
         )
     runner.allocate_kv(blocks)
     what = f"{resolved}, weights {quantization}"
     if resolved == "bfloat16" and quantization == "none":
         what += f", grid activations {activations}"
+    if kv_cache != "auto":
+        what += f", KV {runner.kv_cache_description}"
     return runner, what
 
 

@@ -3,7 +3,8 @@ fp32 on the same weights, position by position over a fixed text.
 
     ppring bench quality [--model DIR] [--text FILE] [--windows 8] [--window-tokens 512]
                          [--reference float32]
-                         [--candidates auto,auto+a8,bfloat16+exact,int8,hf-bfloat16,hf-float32]
+                         [--candidates auto,auto+kv8,auto+a8,bfloat16+exact,int8,hf-bfloat16,
+                                       hf-float32]
 
 As llama.cpp's `perplexity --kl-divergence` reports quantization error: the text (by default
 bench/texts/quality_en.txt, shipped so every run measures the same thing) is cut into windows of
@@ -16,6 +17,8 @@ model's over 8 windows would take 0.8 GB a configuration). A configuration is on
 bench/agreement.py's (`auto` is the default path: on a CPU with AVX-512 BF16, bf16 with the
 GGUF codes times activations quantized to int8 in two passes; `auto+a8` in one pass, as
 llama.cpp does; `bfloat16+exact` the codes decoded to bf16; `int8` int8 weights), or
+a `+kv8` on any of them stores the KV cache in 8 bits (--kv-cache-dtype int8: `auto+kv8`
+against `auto` is what the 8-bit cache costs), or
 `hf-DTYPE`: transformers' AutoModelForCausalLM in DTYPE on the same folder (`hf-bfloat16`: what
 bf16 alone costs; `hf-float32` against the float32 reference: a sanity row, near 0).
 Writes bench_quality.json into --out.
@@ -36,7 +39,7 @@ from typing import Any
 from bench.agreement import load_runner, split_config, text_windows, window_logits
 
 DEFAULT_TEXT = Path(__file__).parent / "texts" / "quality_en.txt"
-DEFAULT_CANDIDATES = "auto,auto+a8,bfloat16+exact,int8,hf-bfloat16,hf-float32"
+DEFAULT_CANDIDATES = "auto,auto+kv8,auto+a8,bfloat16+exact,int8,hf-bfloat16,hf-float32"
 HF_DTYPES = ("float32", "bfloat16")
 KLD_ROWS = 128  # rows of a window whose log-softmaxes are taken at once (fp64: 2 x 50 MB)
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from bench.clients import NativeBackend, OpenAIBackend
 from bench.workload import Workload, make_workload
+from stages.config import KV_CACHE_DTYPES
 
 FULL_RATE_FRACTIONS = (0.15, 0.4, 0.7, 1.0)
 QUICK_RATE_FRACTIONS = (0.15, 0.75)
@@ -112,6 +113,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="cores to use")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--quantization", choices=("none", "int8"), default="none")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what each stage's KV cache stores (ppring local's)",
+    )
     parser.add_argument(
         "--pp-async-batch-depth", type=int, default=None, help="the rings' (ppring local's default)"
     )
@@ -269,7 +276,7 @@ def local_ring(
         "--pp-size", str(pp_size),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
-        "--quantization", args.quantization,
+        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
         "--log-dir", str(log_dir / tag), *(extra or []),
     ]  # fmt: skip
     if args.device == "cpu":  # a GPU stage takes its own default (launch.flags.stage_threads)
@@ -675,6 +682,7 @@ def write_results(
         "dtype": args.dtype,
         "dtype_resolved": _resolved_dtype(args, model_dir),
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "workload_kind": args.workload,
         "device": args.device,
         "threads": args.threads,

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stages.config import KV_CACHE_DTYPES
+
 WARMUP_STEPS = 3
 PREFILL_CHUNK_TOKENS = 2048  # per forward while filling the cache: bounds activation memory
 
@@ -43,6 +45,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     parser.add_argument("--quantization", choices=("none", "int8"), default="none")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the KV cache stores (auto: the dtype; int8: 8-bit codes and scales)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--batch-sizes", default="1,16,64", help="sequences per decode step")
@@ -236,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages.batch import blocks_needed
     from stages.config import ModelConfig
     from stages.dtype import resolve_dtype
-    from stages.kv_cache import bytes_per_block
+    from stages.kv_cache import bytes_per_block, kv_bytes_per_token, resolve_kv_cache_dtype
     from stages.runner import StageRunner
 
     model_dir = Path(resolve_model(args.model))
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args.dtype = choice.name
     max_batch = max(args.batch_sizes)
     blocks = max_batch * blocks_needed(tokens_per_sequence(args.context, args.steps, args.rounds))
-    block_bytes = bytes_per_block(config, config.num_layers, args.dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, choice.dtype, device)
+    block_bytes = bytes_per_block(config, config.num_layers, args.dtype, kv_cache_dtype)
     started = time.monotonic()
     runner = StageRunner(
         model_dir,
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         num_threads=args.threads,
         quantization=args.quantization,
+        kv_cache_dtype=kv_cache_dtype,
         cuda_graph_max_bs=0
         if args.disable_cuda_graph
         else args.cuda_graph_max_bs or max(args.batch_sizes),
@@ -275,14 +285,15 @@ def main(argv: list[str] | None = None) -> int:
     copy_mib = args.copy_mib or min(4096, max(256, weight_bytes // 8 // 2**20))
     probe = CopyProbe(device, copy_mib * 2**20)
     start_bandwidth = probe(10)  # for the header; each batch measures its own among its steps
-    kv_per_token = config.num_layers * config.kv_bytes_per_token_per_layer(args.dtype)
+    # what a decode step reads per token of context: codes and scales for an 8-bit cache
+    kv_per_token = kv_bytes_per_token(config, config.num_layers, args.dtype, kv_cache_dtype)
     print(
         f"ppring bench step: {model_dir.name}, {args.dtype} ({choice.reason}), "
         f"weights {args.quantization if args.quantization != 'none' else 'unquantized'}, "
         f"on {device}, {args.threads} threads; "
         f"weights {weight_bytes / 1e9:.2f} GB held ({read_summary(read_bytes)}; matrices "
         f"{formats_summary(runner.weight_bytes_by_format())}), "
-        f"KV {kv_per_token / 1024:.0f} KiB/token; "
+        f"KV {runner.kv_cache_description} {kv_per_token / 1024:.1f} KiB/token; "
         f"copy bandwidth {start_bandwidth / 1e9:.1f} GB/s at start ({copy_mib} MiB, read + "
         "write; each batch's bounds use copies among its own steps); "
         + (
@@ -361,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "weight_bytes": weight_bytes,
         "weight_bytes_by_format": runner.weight_bytes_by_format(),
+        "kv_cache_dtype": kv_cache_dtype,
         "kv_bytes_per_token": kv_per_token,
         "copy_bandwidth_bytes_per_s": round(start_bandwidth),  # at start-up; rows: their own
         "copy_mib": copy_mib,

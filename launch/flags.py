@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ring.config import RingConfig
+from stages.config import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,17 @@ FLAGS: tuple[Flag, ...] = (
         "none",
         choices=("none", "int8"),
         help="int8: weight-only int8 with per-channel scales (CPU), for a single stream",
+        agreed=True,
+    ),
+    Flag(
+        "--kv-cache-dtype",
+        str,
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto, the stage dtype; int8, 8-bit codes with a scale "
+        "per page and channel for K and per token for V (CPU stages): about half the bytes a "
+        "token, so twice the sequences in the same --kv-memory-gib and half the cache a decode "
+        "step reads (fp8: not built yet)",
         agreed=True,
     ),
     Flag(

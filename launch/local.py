@@ -225,6 +225,7 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         lines.append("weights: int8, one scale per output channel (--quantization int8)")
     if is_gguf(args.model or ""):
         lines.append(formats_line(Path(args.model).expanduser(), choice.name))
+    lines.append(kv_cache_line(args.kv_cache_dtype, choice, device, config))
     if device.type == "cpu":
         lines.append(f"CPU kernels: {reason}" if kernels else f"CPU kernels: off ({reason})")
         grid_line = grid_weights_line(choice.dtype, args.quantization, kernels)
@@ -234,6 +235,23 @@ def compute_lines(args: argparse.Namespace, config: Any) -> list[str]:
         if tiles_line:
             lines.append(tiles_line)
     return lines
+
+
+def kv_cache_line(requested: str, choice: Any, device: Any, config: Any) -> str:
+    """What every stage's KV cache stores for --kv-cache-dtype and its bytes a token and layer
+    (ConfigError for a choice the stages cannot store)."""
+    from stages.kv_cache import kv_bytes_per_token, resolve_kv_cache_dtype
+
+    kv_cache = resolve_kv_cache_dtype(requested, choice.dtype, device)
+    own = kv_bytes_per_token(config, 1, choice.dtype)
+    if kv_cache == "auto":
+        return f"KV cache: {choice.name}, {own:.0f} bytes a token and layer"
+    eight = kv_bytes_per_token(config, 1, choice.dtype, kv_cache)
+    return (
+        f"KV cache: int8 (--kv-cache-dtype int8), K scaled per 16-token page and channel, V per "
+        f"token: {eight:.1f} bytes a token and layer against {choice.name}'s {own:.0f} "
+        f"({own / eight:.2f}x the tokens in the same --kv-memory-gib)"
+    )
 
 
 def amx_tiles_line(dtype: Any, kernels: Any) -> str | None:

@@ -167,9 +167,19 @@ def kv_heads_per_gpu(num_kv_heads: int, tp_size: int) -> int:
     return max(num_kv_heads // tp_size, 1)
 
 
-def kv_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int, elem_bytes: int) -> int:
-    """K and V of one token: 2 * heads * d_head * bytes per layer, times the layers held."""
-    return 2 * num_kv_heads * head_dim * elem_bytes * num_layers
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int, elem_bytes: float) -> int:
+    """K and V of one token: 2 * heads * d_head * bytes per layer, times the layers held
+    (elem_bytes: kv_elem_bytes, an 8-bit cache's scales included)."""
+    return math.ceil(2 * num_kv_heads * head_dim * elem_bytes * num_layers)
+
+
+def kv_elem_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes a K or V element costs: the dtype's, or int8's with its share of the scales (a K
+    scale byte per 16-token page and channel, a bf16 V scale per token and head: 134 bytes a
+    token and head of 64 where bf16 takes 256; stages/kv_quant.py)."""
+    if kv_dtype == "int8":
+        return 1 + (2 + head_dim / 16) / (2 * head_dim)
+    return dtype_bytes(kv_dtype)
 
 
 def layer_params_per_gpu(shape: ModelConfig, tp_size: int) -> int:
@@ -339,7 +349,7 @@ def plan_layout(
     pp_size: int,
     context_len: int,
     num_tokens: int,
-    kv_elem_bytes: int,
+    kv_elem_bytes: float,
     baseline_kv_tokens: int | None = None,
     label: str | None = None,
 ) -> LayoutPlan:
@@ -470,7 +480,7 @@ def build_report(
     check_inputs(hw, context_len, num_tokens)
     shape = model.config
     kv_dtype = kv_dtype or model.dtype
-    kv_b = dtype_bytes(kv_dtype)
+    kv_b = kv_elem_bytes(kv_dtype, shape.head_dim)
     b = dtype_bytes(model.dtype)
     pairs = candidate_layouts(hw.num_gpus, tp_size, pp_size)
     explicit = tp_size is not None or pp_size is not None
@@ -771,7 +781,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     add("--dtype", choices=DTYPE_CHOICES, metavar="DTYPE", help="weights (default: model's)")
-    add("--kv-dtype", choices=DTYPE_CHOICES, metavar="DTYPE", help="KV (default: --dtype)")
+    add(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        choices=(*DTYPE_CHOICES, "int8"),
+        metavar="DTYPE",
+        help="KV (default: --dtype); int8: 8-bit codes with their scales, as a CPU stage's "
+        "--kv-cache-dtype int8 stores them",
+    )
     add("--gpus", type=int, default=hw.num_gpus, help="GPUs every layout uses (%(default)s)")
     add(
         "--gpus-per-node",

@@ -58,6 +58,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         partition_rule=args.partition_rule,
         split_lm_head=cfg.split_lm_head,
         cuda_graph_max_bs=cuda_graph_max_bs(args, cfg),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     model = stage.config
     info = ModelInfo(
@@ -66,6 +67,7 @@ def build_stage(args: argparse.Namespace, cfg: RingConfig):  # -> (Stage, ModelI
         config_hash=model.config_hash,
         rope_long_from=model.rope_long_from,
         kv_window=model.kv_window,
+        kv_cache_dtype=stage.kv_cache_dtype,
     )
     return stage, info
 

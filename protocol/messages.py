@@ -145,6 +145,9 @@ class StageHello(Control):
     split_lm_head: bool = False
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
+    # what each stage's KV cache stores (ring/control.py ModelInfo): a ring stores alike, so
+    # its capacity and its accuracy are what the flag says on every stage
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)

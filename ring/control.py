@@ -59,6 +59,9 @@ class ModelInfo:
     # Where every layer has a sliding window, the longest (stages/config.py kv_window): blocks
     # behind it go back to the pool; None: every block a sequence fills stays held
     kv_window: int | None = None
+    # What the stage's KV cache stores, as it resolved --kv-cache-dtype (stages/kv_cache.py):
+    # "auto" (the stage dtype) or "int8"; every stage must store alike
+    kv_cache_dtype: str = "auto"
 
 
 # At most this long for the stages before this one to allocate their KV cache at start-up (or
@@ -76,6 +79,7 @@ AGREED_FIELDS = (
     "chunked_prefill_size",
     "disable_radix_cache",
     "schedule_policy",
+    "kv_cache_dtype",
 )
 
 

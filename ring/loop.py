@@ -105,6 +105,7 @@ class StageLoop:
                 chunked_prefill_size=self.cfg.chunked_prefill_size,
                 disable_radix_cache=self.cfg.disable_radix_cache,
                 schedule_policy=self.cfg.schedule_policy,
+                kv_cache_dtype=self.model.kv_cache_dtype,
             ),
             allocate=self.stage.allocate_kv,  # on a GPU this also captures the decode graphs
         )

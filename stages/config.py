@@ -204,6 +204,12 @@ class ModelConfig:
         return 2 * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
 
 
+# --kv-cache-dtype, SGLang's flag and names (stages/kv_cache.py resolve_kv_cache_dtype says what
+# a stage stores for each): auto, the stage dtype; bf16 the same on a bf16 stage; int8 8-bit
+# codes with scales (stages/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
 def read_config_json(config_path: Path) -> dict[str, Any]:
     """A model's config.json as a dict, or one ConfigError saying what is wrong with it."""
     try:

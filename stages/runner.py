@@ -32,7 +32,12 @@ from stages.contract import LogitsShare, Seam, Stage, StageOutput, StepHandle
 from stages.device_step import DeviceSample, DeviceStep, StepClock, new_event
 from stages.dtype import resolve_dtype
 from stages.inputs import ForwardInputs, build_inputs, on_device
-from stages.kv_cache import KVCache, num_blocks_for_budget
+from stages.kv_cache import (
+    KVCache,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+    resolve_kv_cache_dtype,
+)
 from stages.models.blocks import CausalLMStage
 from stages.partition import (
     layer_range,
@@ -66,6 +71,7 @@ class StageRunner(Stage):
         cuda_graph_max_bs: int | None = None,
         graph_recorder: GraphRecorder | None = None,
         overlap: bool | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`split_lm_head`: the first and the last stage each multiply by half of the
         vocabulary and the first samples (a one-stage ring has nothing to split).
@@ -77,7 +83,10 @@ class StageRunner(Stage):
 
         `overlap`: `launch` returns a queued step (stages/device_step.py); None: on a CUDA
         device. On a CPU it gains nothing (the step has run when launch returns); the tests
-        turn it on there to run the GPU's path in real rings."""
+        turn it on there to run the GPU's path in real rings.
+
+        `kv_cache_dtype`: --kv-cache-dtype (stages/kv_cache.py resolve_kv_cache_dtype): auto
+        keeps K and V in the stage dtype; int8 stores them in 8 bits (stages/kv_quant.py)."""
         if num_threads is not None:
             # One stage per process: stages sharing a host must split its cores, or their
             # OpenMP thread pools fight and every op slows down many times over.
@@ -100,6 +109,7 @@ class StageRunner(Stage):
         else:
             self.dtype = to_torch_dtype(dtype)
         self.log_prefix = f"[pp{rank}]" if rank is not None else f"[L{start_layer}-{end_layer}]"
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device)
         # How this stage computes, chosen once (stages/backend/__init__.py)
         self.backend = backend = Backend.pick(self.device, self.dtype, quantization)
         kernels = backend.kernels
@@ -163,12 +173,12 @@ class StageRunner(Stage):
             else "unquantized",
         )
         self._num_kv_blocks = num_blocks_for_budget(
-            self.config, self.num_local_layers, kv_budget_bytes, self.dtype
+            self.config, self.num_local_layers, kv_budget_bytes, self.dtype, self.kv_cache_dtype
         )
         self.kv: KVCache | None = None
         logger.info(
             "%s layers [%d, %d) loaded: %d tensors, %.1f MiB %s on %s; "
-            "KV budget %.1f MiB holds %d blocks (%d tokens)",
+            "KV budget %.1f MiB holds %d blocks (%d tokens) of %s KV, %.0f bytes a token",
             self.log_prefix,
             start_layer,
             end_layer,
@@ -179,6 +189,8 @@ class StageRunner(Stage):
             kv_budget_bytes / 2**20,
             self._num_kv_blocks,
             self._num_kv_blocks * BLOCK_SIZE,
+            self.kv_cache_description,
+            kv_bytes_per_token(self.config, self.num_local_layers, self.dtype, self.kv_cache_dtype),
         )
 
     @classmethod
@@ -197,6 +209,7 @@ class StageRunner(Stage):
         partition_rule: str = "cost",
         split_lm_head: bool = False,
         cuda_graph_max_bs: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> StageRunner:
         """Stage `rank` of `pp_size`; the partition defaults to PPRING_LAYER_PARTITION if set,
         else `partition_rule` (stages/partition.py)."""
@@ -219,6 +232,7 @@ class StageRunner(Stage):
             quantization=quantization,
             split_lm_head=split_lm_head,
             cuda_graph_max_bs=cuda_graph_max_bs,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     @property
@@ -244,6 +258,13 @@ class StageRunner(Stage):
         return self.parameter_bytes - bytes_unread(list(self.model.modules()), rows)
 
     @property
+    def kv_cache_description(self) -> str:
+        """What the KV cache holds, in words: the stage dtype, or int8 codes and their scales."""
+        if self.kv_cache_dtype == "int8":
+            return "int8, K scaled per page and channel, V per token"
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def num_kv_blocks(self) -> int:
         return self._num_kv_blocks
 
@@ -265,9 +286,14 @@ class StageRunner(Stage):
             self.config.head_dim,
             self.dtype,
             self.device,
+            self.kv_cache_dtype,
         )
         logger.info(
-            "%s KV cache: %d blocks, %.1f MiB", self.log_prefix, num_blocks, self.kv.nbytes / 2**20
+            "%s KV cache: %d blocks, %.1f MiB (%s)",
+            self.log_prefix,
+            num_blocks,
+            self.kv.nbytes / 2**20,
+            self.kv_cache_description,
         )
         if self.graph_recorder is not None:
             self._capture_graphs(num_blocks)

@@ -20,6 +20,7 @@ AGREED = {
     "--stage-impl",
     "--dtype",
     "--quantization",
+    "--kv-cache-dtype",
     "--partition-rule",
     "--split-lm-head",
 }

@@ -59,6 +59,18 @@ def test_a_stage_whose_scheduling_flags_differ_stops_the_whole_ring_at_start_up(
 
 
 @pytest.mark.timeout(60)
+def test_a_stage_whose_kv_cache_stores_another_dtype_stops_the_whole_ring_at_start_up():
+    """--kv-cache-dtype as each stage resolved it (ModelInfo.kv_cache_dtype): a ring stores
+    alike, so one stage with an 8-bit cache beside bf16 ones is refused in one sentence."""
+    ring = sim_ring(RingConfig(pp_size=3, ring_timeout_s=10))
+    ring.model_for = lambda c: ModelInfo(4096, kv_cache_dtype="int8" if c.rank == 1 else "auto")
+    codes, error = start_up_failure(ring)
+    assert codes == {0: 1, 1: 1, 2: 1}
+    assert error is not None and error.rank == 1
+    assert "[pp1] kv_cache_dtype differs from stage 0's ('int8' vs 'auto')" in error.message
+
+
+@pytest.mark.timeout(60)
 def test_the_ring_is_ready_only_once_every_stage_has_allocated_and_they_allocate_at_once():
     """Stage 0 tells the frontend the ring is ready after the last stage's KV cache exists, so a
     first request never waits for a stage still allocating; the stages allocate in parallel."""

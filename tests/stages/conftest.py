@@ -133,6 +133,7 @@ class Chain:
         cuda_graph_max_bs: int | None = None,
         graph_recorder: GraphRecorder | None = None,
         split_lm_head: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.split_lm_head = split_lm_head and len(partition) > 1
         self.stages = [
@@ -147,6 +148,7 @@ class Chain:
                 cuda_graph_max_bs=cuda_graph_max_bs,
                 graph_recorder=graph_recorder,
                 split_lm_head=self.split_lm_head,
+                kv_cache_dtype=kv_cache_dtype,
             )
             for rank in range(len(partition))
         ]

@@ -142,7 +142,7 @@ def test_the_fused_layers_refuse_a_step_outside_their_sizes(
     assert fused is not None and kv is not None
     max_rows = 2
     scratch, addresses = fused.scratch_for(max_rows)
-    step = fused.step_struct(kv.num_slots, addresses, max_rows)
+    step = fused.step_struct(kv.num_slots, addresses, max_rows, kv.kv_bytes)
     num_blocks = kv.num_slots // BLOCK_SIZE
     cos, sin = stage.model.ops.rope_table(stage.model.inv_freq).covering(40)
     step.cos, step.sin, step.rope_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]

@@ -142,6 +142,6 @@ def test_the_gathered_context_is_the_cache_in_rows(
         [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(context)]
     )
     table = torch.tensor(blocks, dtype=torch.int32)
-    k, v = PrefillAttention(kernels)._context(kernels.to_cache_layout(kv), table, context)
+    k, v = PrefillAttention(kernels)._context(kernels.to_cache_layout(kv), table, context, dtype)
     assert torch.equal(k, kv[0, slots].transpose(0, 1))
     assert torch.equal(v, kv[1, slots].transpose(0, 1))

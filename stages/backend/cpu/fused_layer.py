@@ -118,6 +118,7 @@ class _Step(ctypes.Structure):
         ("act", ctypes.c_void_p),
         ("cos_local", ctypes.c_void_p),  # the rope_local layers' tables, or NULL
         ("sin_local", ctypes.c_void_p),
+        ("kv_bytes", ctypes.c_int32),  # the cache's kind: elem_bytes, or 1 (8-bit: ppring.h)
     ]
 
 
@@ -324,6 +325,7 @@ class FusedLayers:
             self.scale,
             *scratch,
             *((None, None) if local is None else (local[0].data_ptr(), local[1].data_ptr())),
+            kv.kv_bytes,
         )
         self.run_at(
             ctypes.addressof(step), h.data_ptr(), _address(residual), residual_out.data_ptr(),
@@ -345,12 +347,15 @@ class FusedLayers:
             kv_at, kv_stride, h_out_at,
         )  # fmt: skip
 
-    def step_struct(self, num_slots: int, scratch: list[int], max_tokens: int) -> _Step:
+    def step_struct(
+        self, num_slots: int, scratch: list[int], max_tokens: int, kv_bytes: int
+    ) -> _Step:
         """A `_Step` of this stage's fixed fields (the cache's slots, the attention scale, the
         scratch addresses from `scratch_for(max_tokens)`), the per-step ones zero:
         stages/backend/cpu/kept_decode.py keeps one and fills those each step."""
         step = _Step()
         step.elem_bytes, step.num_slots = _ELEM_BYTES[self.dtype], num_slots
+        step.kv_bytes = kv_bytes
         step.max_tokens = max_tokens
         step.scale = self.scale
         step.x, step.qkv, step.q, step.attn, step.h, step.gate_up, step.act = scratch

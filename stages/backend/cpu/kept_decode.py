@@ -62,7 +62,7 @@ class CpuDecodeStep:
         self.hidden = fused.hidden
         self.is_first_stage = model.is_first_stage
         self._scratch, addresses = fused.scratch_for(self.MAX_ROWS)  # (held, as kv)
-        self._step = fused.step_struct(kv.num_slots, addresses, self.MAX_ROWS)
+        self._step = fused.step_struct(kv.num_slots, addresses, self.MAX_ROWS, kv.kv_bytes)
         self._step_at = ctypes.addressof(self._step)
         self._kv_at, self._kv_stride = kv_address(kv)
         rotary = model.rotary

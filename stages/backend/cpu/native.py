@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from stages.backend.cpu.build import build, find_compiler
-from stages.backend.cpu.calls import _ELEM_BYTES, _check, check_status
+from stages.backend.cpu.calls import _ELEM_BYTES, _check, check_status, kv_kind
 from stages.backend.cpu.matmul_kernels import PANEL, MatmulKernels
 from stages.backend.switches import NATIVE_KERNELS_ENV as DISABLE_ENV
 from stages.batch import BLOCK_SIZE
@@ -58,8 +58,8 @@ class NativeKernels(MatmulKernels):
             raise RuntimeError(f"{path} was built for another panel width")
         lib.ppr_paged_attention.restype = ctypes.c_int
         lib.ppr_paged_attention.argtypes = [
-            ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, _vp,
-            ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp,
+            _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_float,
         ]  # fmt: skip
         lib.ppr_paged_attention_window.restype = ctypes.c_int
@@ -124,8 +124,8 @@ class NativeKernels(MatmulKernels):
         )
         lib.ppr_rope_store.restype = ctypes.c_int
         lib.ppr_rope_store.argtypes = [
-            ctypes.c_int, _vp, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp, ctypes.c_int64,
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, _vp, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp,
+            ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ]  # fmt: skip
         lib.ppr_add_bias.restype = ctypes.c_int
         lib.ppr_add_bias.argtypes = [ctypes.c_int, _vp, ctypes.c_int64, _vp] + [ctypes.c_int] * 2
@@ -187,8 +187,7 @@ class NativeKernels(MatmulKernels):
         _, num_slots, num_kv_heads, kv_dim = kv_layer.shape
         if kv_dim != head_dim:
             raise ValueError(f"q has head_dim {head_dim}, the KV cache {kv_dim}")
-        _check(q, kv_layer)
-        _check(kv_layer, kv_layer)
+        kv_bytes = kv_kind(kv_layer, q)
         if block_table.dtype is not torch.int32 or not block_table.is_contiguous():
             raise ValueError("the block table must be contiguous int32")
         if out is None:
@@ -208,6 +207,7 @@ class NativeKernels(MatmulKernels):
         extra = () if plain else (window, softcap)
         status = call(
             _ELEM_BYTES[q.dtype],
+            kv_bytes,
             q.data_ptr(),
             kv_layer.data_ptr(),
             out.data_ptr(),
@@ -342,15 +342,17 @@ class NativeKernels(MatmulKernels):
         num_heads: int,
     ) -> torch.Tensor:
         """qkv [T, (h + 2 h_kv) * d] -> q [T, h, d] with RoPE applied; k (rotated) and v are
-        written into kv_layer [2, slots, h_kv, d] at slot_mapping [T] (int64).
-        cos, signed_sin: [T, d] fp32."""
+        written into kv_layer [2, slots, h_kv, d] at slot_mapping [T] (int64). An 8-bit
+        kv_layer (stages/kv_quant.py) takes them quantized, and qkv's k columns are left
+        rotated (the store's scratch). cos, signed_sin: [T, d] fp32."""
         _, num_slots, num_kv_heads, head_dim = kv_layer.shape
         num_tokens, row = qkv.shape
         if row != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
             raise ValueError(
                 f"qkv rows of {row} cannot hold {num_heads} + 2 x {num_kv_heads} heads"
             )
-        _check(qkv, kv_layer)
+        kv_bytes = kv_kind(kv_layer, qkv)
+        _check(qkv, qkv)
         if cos.dtype is not torch.float32 or cos.shape != (num_tokens, head_dim):
             raise ValueError("rope_store takes fp32 cos and sin tables of [T, head_dim]")
         if slot_mapping.dtype is not torch.int64 or slot_mapping.shape[0] != num_tokens:
@@ -358,6 +360,7 @@ class NativeKernels(MatmulKernels):
         q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
         status = self._lib.ppr_rope_store(
             _ELEM_BYTES[qkv.dtype],
+            kv_bytes,
             qkv.data_ptr(),
             row,
             q.data_ptr(),

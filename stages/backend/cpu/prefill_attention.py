@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from stages.backend.cpu.native import NativeKernels
 from stages.batch import BLOCK_SIZE
 from stages.inputs import PagedAttn
+from stages.kv_cache import gather_kv
 
 # Rows from which a chunk's attention goes to the tiles (below, the paged kernel's). One layer
 # of the default model (9 heads, 3 KV heads, d 64), 2 threads, medians of 15 alternated calls,
@@ -72,7 +73,7 @@ class PrefillAttention:
                 q, kv_layer, out, start, rows, context, table, scale
             ):
                 continue  # on AMX tiles, in place (csrc/attention_amx.c)
-            k, v = self._context(kv_layer, table, context)  # [h_kv, ctx, d] each
+            k, v = self._context(kv_layer, table, context, q.dtype)  # [h_kv, ctx, d] each
             o = F.scaled_dot_product_attention(
                 q[start : start + rows].transpose(0, 1).unsqueeze(0),  # [1, h, rows, d]
                 k.unsqueeze(0),
@@ -86,16 +87,21 @@ class PrefillAttention:
         return out
 
     def _context(
-        self, kv_layer: torch.Tensor, table: torch.Tensor, context: int
+        self, kv_layer: torch.Tensor, table: torch.Tensor, context: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first `context` positions, [h_kv, context, d] each, in rows:
         its pages gathered, then out of the cache's layout by the kernels' own conversion
-        (NativeKernels.from_cache_layout, which knows the pairs)."""
+        (NativeKernels.from_cache_layout, which knows the pairs); an 8-bit cache's
+        dequantized to `dtype` (the tiles do not read its codes yet)."""
         _, num_slots, h, d = kv_layer.shape
         pages = -(-context // BLOCK_SIZE)
         blocks = table[:pages].long()
         if int(blocks.min()) < 0 or int(blocks.max()) >= num_slots // BLOCK_SIZE:
             raise IndexError(f"a block id outside the cache's {num_slots // BLOCK_SIZE} blocks")
+        if kv_layer.dtype is torch.int8:
+            slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
+            k, v = gather_kv(kv_layer, slots[:context], dtype).transpose(1, 2)
+            return k, v
         gathered = kv_layer.view(2, num_slots // BLOCK_SIZE, BLOCK_SIZE * h * d)
         gathered = gathered.index_select(1, blocks).view(2, pages * BLOCK_SIZE, h, d)
         k, v = self._kernels.from_cache_layout(gathered)[:, :context].transpose(1, 2)

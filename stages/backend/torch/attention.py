@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.inputs import ForwardInputs
+from stages.kv_cache import gather_kv
 
 
 def gather_attention(
@@ -53,7 +54,9 @@ def gather_attention(
             query_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
             key_pos = torch.arange(lo, ctx, device=q.device)[None, :]  # [1, ctx - lo]
             mask = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [n, ctx - lo]
-        k, v = kv_layer.index_select(1, key_slots).transpose(1, 2).unsqueeze(1)  # [1, h_kv, L, d]
+        k, v = (
+            gather_kv(kv_layer, key_slots, q.dtype).transpose(1, 2).unsqueeze(1)
+        )  # [1, h_kv, L, d]
         o = _sdpa(
             q[p.row_start : p.row_end].transpose(0, 1).unsqueeze(0),  # [1, h, n, d]
             k, v, mask, scale, softcap,
@@ -81,7 +84,7 @@ def _decode(
 ) -> torch.Tensor:
     """One query per sequence: q [n, h, d] against n contexts padded to key_len -> [n, h, d]."""
     n = q.shape[0]
-    kv = kv_layer.index_select(1, key_slots)  # [2, n * L, h_kv, d]
+    kv = gather_kv(kv_layer, key_slots, q.dtype)  # [2, n * L, h_kv, d]
     k, v = kv.view(2, n, key_len, *kv.shape[2:]).transpose(2, 3)  # each [n, h_kv, L, d]
     if window and key_len > window:
         # each row's context: its real keys (a padded row's are its first); it sees the last

@@ -444,8 +444,46 @@ static inline void run_of_pages(RunPrefetch *run, const void *kv, const int32_t 
 }
 #endif
 
+/* Page `block` of an 8-bit cache (ppring.h), KV head g, decoded to fp32: kbuf and vbuf [PAGE, D],
+ * code times its scale, the values the torch path's dequantization gives (one rounding each).
+ * Every slot of the page (an int8 code and a finite scale: nothing a slot past the context
+ * holds is NaN). */
+static void kv8_page_to_f32(const void *kv, int64_t block, int g, int64_t num_slots, int Hkv,
+                            int D, float *kbuf, float *vbuf) {
+    const int64_t row_stride = (int64_t)Hkv * D;
+    const int8_t *k = (const int8_t *)kv + (block * PAGE * Hkv + g) * D;
+    const int8_t *v = k + num_slots * row_stride;
+    const uint8_t *k_scale =
+        (const uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D) + (block * Hkv + g) * D;
+    const uint16_t *v_scale =
+        (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D)) +
+        block * PAGE * Hkv + g;
+    float ks[D];
+    for (int d = 0; d < D; d++) ks[d] = kv8_scale(k_scale[d]);
+    for (int j = 0; j < PAGE; j++) {
+        const float vs = bf16_load(v_scale[j * Hkv]);
+        const int8_t *kr = k + j * row_stride, *vr = v + j * row_stride;
+        int d = 0;
+#ifdef HAVE_AVX512_ATTENTION
+        for (; d + 16 <= D; d += 16) {
+            const __m512 kf = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kr + d))));
+            const __m512 vf = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vr + d))));
+            _mm512_storeu_ps(kbuf + j * D + d, _mm512_mul_ps(kf, _mm512_loadu_ps(ks + d)));
+            _mm512_storeu_ps(vbuf + j * D + d, _mm512_mul_ps(vf, _mm512_set1_ps(vs)));
+        }
+#endif
+        for (; d < D; d++) {
+            kbuf[j * D + d] = (float)kr[d] * ks[d];
+            vbuf[j * D + d] = (float)vr[d] * vs;
+        }
+    }
+}
+
 /* `task` (see above); over pairs, its last run fetches `next_task`'s first (NULL: none) */
-static void attend_task(const Task *task, const Task *next_task, int elem_bytes, const void *q,
+static void attend_task(const Task *task, const Task *next_task, int elem_bytes, int kv_bytes,
+                        const void *q,
                         const void *kv, void *out, const int32_t *q_start, const int32_t *q_len,
                         const int32_t *ctx_len, const int32_t *table, int table_stride,
                         int64_t num_slots, int H, int Hkv, int D, float scale, float *scratch) {
@@ -470,7 +508,7 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
     const int use_avx512 = avx512_attention(D);
 #endif
     /* pairs: vdpbf16ps reads the bf16 queries where they are (group_run_pairs), no fp32 copy */
-    const int pairs = kv_as_pairs(elem_bytes, D);
+    const int pairs = kv_as_pairs(kv_bytes, D);
 
     for (int i = 0; i < task->nrows; i++) {
         const int64_t t = q_start[s_idx] + task->row0 + i;
@@ -492,8 +530,8 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
     }
     const int last_pos = first_pos + task->row0 + task->nrows - 1;
     const int num_pages = last_pos / PAGE + 1;
-    const int64_t span_bytes = (int64_t)num_groups * D * elem_bytes; /* a slot's task heads */
-    PagePrefetch pf = {NULL, NULL, row_stride * elem_bytes, (int)((span_bytes + 63) / 64), 0};
+    const int64_t span_bytes = (int64_t)num_groups * D * kv_bytes; /* a slot's task heads */
+    PagePrefetch pf = {NULL, NULL, row_stride * kv_bytes, (int)((span_bytes + 63) / 64), 0};
     pf.lines = PAGE * pf.lines_per_row;
     const int first_row_pos = first_pos + task->row0;
 #ifdef HAVE_BF16_DOT
@@ -563,13 +601,26 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
         if (prefetching) {
             pf.k = (const char *)kv +
                    ((int64_t)blocks[page + 1] * PAGE * Hkv + task->g0) * D *
-                       elem_bytes;
-            pf.v = pf.k + v_offset * elem_bytes;
+                       kv_bytes;
+            pf.v = pf.k + v_offset * kv_bytes;
         }
         int call = 0;
         for (int g = task->g0; g < task->g1; g++) {
             const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
 #ifdef HAVE_AVX512_ATTENTION
+            if (use_avx512 && kv_bytes == 1) { /* the page decoded to fp32 once for all rows */
+                kv8_page_to_f32(kv, blocks[page], g, num_slots, Hkv, D, kbuf, vbuf);
+                for (int i = 0; i < task->nrows; i++) {
+                    const int r = (i * num_groups + (g - task->g0)) * nh;
+                    int lim = pos[r] + 1 - key0;
+                    if (lim <= 0) continue;
+                    if (lim > nk) lim = nk;
+                    group_page_avx512(0, qv + r * D, kbuf, vbuf, D, lim, D, nh, &m[r], &l[r],
+                                      acc + r * D, prefetching ? &pf : NULL, &call,
+                                      calls_per_page);
+                }
+                continue;
+            }
             if (use_avx512) {
                 const char *kb = (const char *)kv + base * elem_bytes;
                 for (int i = 0; i < task->nrows; i++) {
@@ -587,7 +638,12 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
 #endif
             const float *kp, *vp;
             int64_t kstride;
-            if (elem_bytes == 4) {
+            if (kv_bytes == 1) {
+                kv8_page_to_f32(kv, blocks[page], g, num_slots, Hkv, D, kbuf, vbuf);
+                kp = kbuf;
+                vp = vbuf;
+                kstride = D;
+            } else if (elem_bytes == 4) {
                 kp = (const float *)kv + base;
                 vp = kp + v_offset;
                 kstride = row_stride;
@@ -648,7 +704,7 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
 /* The tasks of one attention call for a team of num_threads threads (see ppr_paged_attention):
  * their count, and with `tasks` (non-NULL) the tasks themselves. How the work is cut depends on
  * the team and the batch; each head's arithmetic does not. */
-int attention_plan(int elem_bytes, int num_seqs, const int32_t *q_len,
+int attention_plan(int kv_bytes, int num_seqs, const int32_t *q_len,
                    const int32_t *ctx_len, int H, int Hkv, int D, int num_threads,
                    Task *tasks) {
     const int G = H / Hkv;
@@ -674,7 +730,7 @@ int attention_plan(int elem_bytes, int num_seqs, const int32_t *q_len,
          * on whichever thread is free first). A task walks its groups' pages together (a run at
          * a time, group after group), so the second group's loads overlap the first's chains
          * instead of waiting for them. Each head's arithmetic is unchanged. */
-        if (num_seqs == 1 && kv_as_pairs(elem_bytes, D) && ctx_len[0] >= LONE_CONTEXT)
+        if (num_seqs == 1 && kv_as_pairs(kv_bytes, D) && ctx_len[0] >= LONE_CONTEXT)
             groups_per_task = (Hkv + num_threads - 1) / num_threads;
     }
     int rows_per_task = MAX_TILE_ROWS / (heads_per_task * groups_per_task);
@@ -700,7 +756,7 @@ size_t attention_scratch_floats(int D) {
 /* The tasks dealt out over the team this runs in (an orphaned `omp for`: called outside a
  * parallel region, one thread takes them all), each thread with its own scratch (NULL: that
  * thread's tasks are skipped, and the caller reports the failure). */
-void attention_run(const Task *tasks, int num_tasks, int elem_bytes, const void *q,
+void attention_run(const Task *tasks, int num_tasks, int elem_bytes, int kv_bytes, const void *q,
                    const void *kv, void *out, const int32_t *q_start, const int32_t *q_len,
                    const int32_t *ctx_len, const int32_t *table, int table_stride,
                    int64_t num_slots, int H, int Hkv, int D, float scale, float *scratch) {
@@ -711,7 +767,7 @@ void attention_run(const Task *tasks, int num_tasks, int elem_bytes, const void 
     for (int i = 0; i < num_tasks; i++)
         if (scratch)
             attend_task(&tasks[i], i + team < num_tasks ? &tasks[i + team] : NULL, elem_bytes,
-                        q, kv, out, q_start, q_len, ctx_len, table, table_stride, num_slots, H,
+                        kv_bytes, q, kv, out, q_start, q_len, ctx_len, table, table_stride, num_slots, H,
                         Hkv, D, scale, scratch);
 }
 
@@ -747,17 +803,20 @@ int attention_indices_check(int num_tokens, int num_seqs, const int32_t *q_start
  * metadata already checked (attention_indices_check). elem_bytes: 4 (float32) or 2 (bfloat16)
  * for q, kv and out. Returns 0, or -1 when H is not a multiple of Hkv or scratch cannot be
  * allocated. */
-int paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
+int paged_attention(int elem_bytes, int kv_bytes, const void *q, const void *kv, void *out,
+                    int num_seqs,
                     const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
                     const int32_t *table, int table_stride, int64_t num_slots, int H,
                     int Hkv, int D, float scale) {
-    if (!attention_shapes_ok(elem_bytes, H, Hkv) || D <= 0) return PPR_REFUSED;
+    if (!attention_shapes_ok(elem_bytes, H, Hkv) || D <= 0 ||
+        !kv_kind_ok(elem_bytes, kv_bytes, num_slots))
+        return PPR_REFUSED;
     const int num_threads = omp_get_max_threads();
     const int num_tasks =
-        attention_plan(elem_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, NULL);
+        attention_plan(kv_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, NULL);
     Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
     if (!tasks) return -1;
-    attention_plan(elem_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, tasks);
+    attention_plan(kv_bytes, num_seqs, q_len, ctx_len, H, Hkv, D, num_threads, tasks);
     int failed = 0;
 #pragma omp parallel
     {
@@ -766,7 +825,7 @@ int paged_attention(int elem_bytes, const void *q, const void *kv, void *out, in
 #pragma omp atomic write
             failed = 1;
         }
-        attention_run(tasks, num_tasks, elem_bytes, q, kv, out, q_start, q_len, ctx_len, table,
+        attention_run(tasks, num_tasks, elem_bytes, kv_bytes, q, kv, out, q_start, q_len, ctx_len, table,
                       table_stride, num_slots, H, Hkv, D, scale, scratch);
         free(scratch);
     }
@@ -776,13 +835,14 @@ int paged_attention(int elem_bytes, const void *q, const void *kv, void *out, in
 
 /* paged_attention for a caller from outside: q and out [num_tokens, H, D], the cache
  * [2, num_slots, Hkv, D]; the metadata is checked against those sizes first. */
-int ppr_paged_attention(int elem_bytes, const void *q, const void *kv, void *out, int num_tokens,
+int ppr_paged_attention(int elem_bytes, int kv_bytes, const void *q, const void *kv, void *out,
+                        int num_tokens,
                         int num_seqs, const int32_t *q_start, const int32_t *q_len,
                         const int32_t *ctx_len, const int32_t *table, int table_stride,
                         int64_t num_slots, int H, int Hkv, int D, float scale) {
     const int bad = attention_indices_check(num_tokens, num_seqs, q_start, q_len, ctx_len, table,
                                             table_stride, num_slots);
     if (bad) return bad;
-    return paged_attention(elem_bytes, q, kv, out, num_seqs, q_start, q_len, ctx_len, table,
-                           table_stride, num_slots, H, Hkv, D, scale);
+    return paged_attention(elem_bytes, kv_bytes, q, kv, out, num_seqs, q_start, q_len, ctx_len,
+                           table, table_stride, num_slots, H, Hkv, D, scale);
 }

@@ -14,6 +14,24 @@
  * stage's (rows, or bf16 pairs where kv_as_pairs: ops.c rope_store_rows writes both). */
 #include "ppring.h"
 
+/* K[j][d] and V[j][d] of slot j of page `block`, head g, of an 8-bit cache (ppring.h), as fp32 */
+static inline float key_at8(const void *kv, int64_t num_slots, int Hkv, int D, int64_t block,
+                            int g, int j, int d) {
+    const int8_t code = ((const int8_t *)kv)[((block * PAGE + j) * Hkv + g) * D + d];
+    const uint8_t e = ((const uint8_t *)kv)[kv8_k_scale_at(num_slots, Hkv, D) +
+                                            (block * Hkv + g) * D + d];
+    return (float)code * kv8_scale(e);
+}
+
+static inline float value_at8(const void *kv, int64_t num_slots, int Hkv, int D, int64_t block,
+                              int g, int j, int d) {
+    const int64_t slot = block * PAGE + j;
+    const int8_t code = ((const int8_t *)kv)[(num_slots + slot) * Hkv * D + (int64_t)g * D + d];
+    const uint16_t *v_scale =
+        (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D));
+    return (float)code * bf16_load(v_scale[slot * Hkv + g]);
+}
+
 /* K[j][d] and V[j][d] of slot j of a page, head g, as fp32 (the page's layout, see above) */
 static inline float key_at(int elem_bytes, int pairs, const void *kv, int64_t page_base,
                            int64_t head_base, int64_t row_stride, int j, int d) {
@@ -35,7 +53,7 @@ static inline float value_at(int elem_bytes, int pairs, const void *kv, int64_t 
 
 /* One query vector qv [D] (scaled) of position p over its sequence's keys in the window:
  * acc [D] (scratch) and scores [PAGE]; writes the output row (elem type) at out_row. */
-static void attend_row(int elem_bytes, int pairs, const float *qv, const void *kv,
+static void attend_row(int elem_bytes, int kv_bytes, int pairs, const float *qv, const void *kv,
                        const int32_t *blocks, int64_t num_slots, int Hkv, int D, int g, int p,
                        int window, float softcap, float *acc, float *scores, void *out_row) {
     const int64_t row_stride = (int64_t)Hkv * D, v_offset = num_slots * row_stride;
@@ -53,7 +71,9 @@ static void attend_row(int elem_bytes, int pairs, const float *qv, const void *k
         for (int j = a; j < b; j++) {
             float s = 0.0f;
             for (int d = 0; d < D; d++)
-                s += qv[d] * key_at(elem_bytes, pairs, kv, page_base, head_base, row_stride, j, d);
+                s += qv[d] * (kv_bytes == 1 ? key_at8(kv, num_slots, Hkv, D, blocks[page], g, j, d)
+                                            : key_at(elem_bytes, pairs, kv, page_base, head_base,
+                                                     row_stride, j, d));
             if (softcap > 0.0f) s = softcap * tanhf(s / softcap);
             scores[j] = s;
             page_max = s > page_max ? s : page_max;
@@ -66,8 +86,10 @@ static void attend_row(int elem_bytes, int pairs, const float *qv, const void *k
             const float w = expf(scores[j] - m_new);
             l += w;
             for (int d = 0; d < D; d++)
-                acc[d] += w * value_at(elem_bytes, pairs, kv, v_offset, page_base, head_base,
-                                       row_stride, D, j, d);
+                acc[d] += w * (kv_bytes == 1
+                                   ? value_at8(kv, num_slots, Hkv, D, blocks[page], g, j, d)
+                                   : value_at(elem_bytes, pairs, kv, v_offset, page_base,
+                                              head_base, row_stride, D, j, d));
         }
         m = m_new;
     }
@@ -85,14 +107,15 @@ static void attend_row(int elem_bytes, int pairs, const float *qv, const void *k
  * q and out [T, H, D], the cache [2, num_slots, Hkv, D] in the stage's layout. window 0: no
  * window; softcap 0: no cap. Returns 0, PPR_REFUSED for a shape this kernel does not take or
  * -1 when scratch cannot be allocated. */
-int paged_attention_window(int elem_bytes, const void *q, const void *kv, void *out, int num_seqs,
+int paged_attention_window(int elem_bytes, int kv_bytes, const void *q, const void *kv, void *out,
+                           int num_seqs,
                            const int32_t *q_start, const int32_t *q_len, const int32_t *ctx_len,
                            const int32_t *table, int table_stride, int64_t num_slots, int H,
                            int Hkv, int D, float scale, int window, float softcap) {
-    if ((elem_bytes != 4 && elem_bytes != 2) || Hkv <= 0 || H % Hkv || D <= 0 || window < 0 ||
-        !(softcap >= 0.0f))
+    if (!kv_kind_ok(elem_bytes, kv_bytes, num_slots) || Hkv <= 0 || H % Hkv || D <= 0 ||
+        window < 0 || !(softcap >= 0.0f))
         return PPR_REFUSED;
-    const int G = H / Hkv, pairs = kv_as_pairs(elem_bytes, D);
+    const int G = H / Hkv, pairs = kv_as_pairs(kv_bytes, D);
     int failed = 0;
 #pragma omp parallel
     {
@@ -116,7 +139,7 @@ int paged_attention_window(int elem_bytes, const void *q, const void *kv, void *
                         qv[d] = (elem_bytes == 4 ? ((const float *)q)[off + d]
                                                  : bf16_load(((const uint16_t *)q)[off + d])) *
                                 scale;
-                    attend_row(elem_bytes, pairs, qv, kv, blocks, num_slots, Hkv, D, g,
+                    attend_row(elem_bytes, kv_bytes, pairs, qv, kv, blocks, num_slots, Hkv, D, g,
                                first_pos + i, window, softcap, acc, scores,
                                (char *)out + off * elem_bytes);
                 }
@@ -129,7 +152,8 @@ int paged_attention_window(int elem_bytes, const void *q, const void *kv, void *
 
 /* paged_attention_window for a caller from outside, as ppr_paged_attention: the metadata is
  * checked against the sizes given first. */
-int ppr_paged_attention_window(int elem_bytes, const void *q, const void *kv, void *out,
+int ppr_paged_attention_window(int elem_bytes, int kv_bytes, const void *q, const void *kv,
+                               void *out,
                                int num_tokens, int num_seqs, const int32_t *q_start,
                                const int32_t *q_len, const int32_t *ctx_len,
                                const int32_t *table, int table_stride, int64_t num_slots, int H,
@@ -137,7 +161,7 @@ int ppr_paged_attention_window(int elem_bytes, const void *q, const void *kv, vo
     const int bad = attention_indices_check(num_tokens, num_seqs, q_start, q_len, ctx_len, table,
                                             table_stride, num_slots);
     if (bad) return bad;
-    return paged_attention_window(elem_bytes, q, kv, out, num_seqs, q_start, q_len, ctx_len,
+    return paged_attention_window(elem_bytes, kv_bytes, q, kv, out, num_seqs, q_start, q_len, ctx_len,
                                   table, table_stride, num_slots, H, Hkv, D, scale, window,
                                   softcap);
 }

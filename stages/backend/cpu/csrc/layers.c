@@ -54,12 +54,14 @@ static int run_linear(const ppr_linear_t *w, int elem_bytes, const void *x, void
     return -1;
 }
 
-/* Whether a step's indices stay inside the sizes it gives: its rows within the scratch's
+/* Whether a step's cache is a kind the kernels take (kv_kind_ok) and its indices stay inside
+ * the sizes it gives: its rows within the scratch's
  * max_tokens, every slot inside the cache, every position inside the rotary tables (where
  * positions are given), and the attention metadata (attention_indices_check). Checked once a
  * call, before the first layer writes anything. 0, or a PPR_BAD_*. */
 static int step_check(const ppr_step_t *s) {
     if (s->num_tokens < 0 || s->num_tokens > s->max_tokens) return PPR_BAD_ROWS;
+    if (!kv_kind_ok(s->elem_bytes, s->kv_bytes, s->num_slots)) return PPR_REFUSED;
     const int bad = slots_positions_check(s->num_tokens, s->slot_mapping, s->num_slots,
                                           s->positions, s->rope_rows);
     if (bad) return bad;
@@ -121,16 +123,16 @@ static int ppr_decoder_layer(const ppr_layer_t *L, const ppr_step_t *s, const vo
         qkv_bias_norm_rows(L, eb, s->qkv, qkv_row, T);
     }
     const int local = L->rope_local && s->cos_local;
-    rope_store(eb, s->qkv, qkv_row, s->q, local ? s->cos_local : s->cos,
+    rope_store(eb, s->kv_bytes, s->qkv, qkv_row, s->q, local ? s->cos_local : s->cos,
                local ? s->sin_local : s->sin, s->positions, s->slot_mapping, kv, s->num_slots, T,
                L->num_heads, L->num_kv_heads, D);
     if (L->window || L->softcap) {
-        if (paged_attention_window(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
+        if (paged_attention_window(eb, s->kv_bytes, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
                                    s->ctx_len, s->block_table, s->table_stride, s->num_slots,
                                    L->num_heads, L->num_kv_heads, D, s->scale, L->window,
                                    L->softcap))
             return -1;
-    } else if (paged_attention(eb, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
+    } else if (paged_attention(eb, s->kv_bytes, s->q, kv, s->attn, s->num_seqs, s->q_start, s->q_len,
                                s->ctx_len, s->block_table, s->table_stride, s->num_slots,
                                L->num_heads, L->num_kv_heads, D, s->scale)) {
         return -1;
@@ -252,9 +254,9 @@ static void decoder_layer_in_team(const ppr_layer_t *L, const ppr_step_t *s, con
                           x_rows);
     a8_units(x_rows, L->qkv.a, L->qkv.b, L->qkv.c, s->qkv, T, L->qkv.n, d, L->qkv.bits);
     if (qkv_bias_norm(L)) qkv_bias_norm_rows(L, 2, s->qkv, qkv_row, T);
-    rope_store_rows(2, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
+    rope_store_rows(2, s->kv_bytes, s->qkv, qkv_row, s->q, s->cos, s->sin, s->positions, s->slot_mapping, kv,
                     s->num_slots, T, L->num_heads, L->num_kv_heads, D);
-    attention_run(tasks, num_tasks, 2, s->q, kv, s->attn, s->q_start, s->q_len, s->ctx_len,
+    attention_run(tasks, num_tasks, 2, s->kv_bytes, s->q, kv, s->attn, s->q_start, s->q_len, s->ctx_len,
                   s->block_table, s->table_stride, s->num_slots, L->num_heads, L->num_kv_heads,
                   D, s->scale, attention_scratch);
     a8_linear_in_team(&L->o, s->attn, s->h, T, a8);
@@ -282,14 +284,16 @@ static int decoder_layers_in_team(const ppr_layer_t *layers, int n, const ppr_st
         for (int j = 0; j < 4; j++) k_max = w[j]->k > k_max ? w[j]->k : k_max;
     }
     const int num_tasks =
-        attention_plan(2, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads, NULL);
+        attention_plan(s->kv_bytes, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads,
+                       NULL);
     const size_t per_thread = attention_scratch_floats(D);
     char *a8 = malloc(a8_scratch_bytes(T, k_max));
     Task *tasks = malloc(sizeof(Task) * (num_tasks > 0 ? num_tasks : 1));
     float *attention_scratch = malloc(sizeof(float) * per_thread * num_threads);
     const int ok = a8 && tasks && attention_scratch;
     if (ok) {
-        attention_plan(2, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads, tasks);
+        attention_plan(s->kv_bytes, s->num_seqs, s->q_len, s->ctx_len, H, Hkv, D, num_threads,
+                       tasks);
 #pragma omp parallel num_threads(num_threads)
         {
             float *mine = attention_scratch + per_thread * omp_get_thread_num();
@@ -434,7 +438,7 @@ int64_t ppr_struct_offset(int which, int field) {
         offsetof(ppr_step_t, q),            offsetof(ppr_step_t, attn),
         offsetof(ppr_step_t, h),            offsetof(ppr_step_t, gate_up),
         offsetof(ppr_step_t, act),          offsetof(ppr_step_t, cos_local),
-        offsetof(ppr_step_t, sin_local),
+        offsetof(ppr_step_t, sin_local),      offsetof(ppr_step_t, kv_bytes),
     };
     const int64_t *offsets;
     int count;

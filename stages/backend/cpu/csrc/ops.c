@@ -56,6 +56,114 @@ static inline void rope_row_bf16(const uint16_t *x, const float *c, const float 
     }
 }
 
+/* one head row x [D] of the stage dtype rotated into o [D] (fp32 or bf16, as x), o != x */
+static inline void rope_row(int elem_bytes, const void *x, const float *c, const float *s,
+                            void *o, int D) {
+    if (elem_bytes == 2) {
+        rope_row_bf16(x, c, s, o, D);
+        return;
+    }
+    const float *xf = x;
+    float *of = o;
+    const int half = D / 2;
+#pragma omp simd
+    for (int i = 0; i < half; i++) of[i] = xf[i] * c[i] + xf[i + half] * s[i];
+#pragma omp simd
+    for (int i = half; i < D; i++) of[i] = xf[i] * c[i] + xf[i - half] * s[i];
+}
+
+static inline float elem_load(int elem_bytes, const void *x, int64_t i) {
+    return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
+}
+
+/* One run of an 8-bit cache's keys: rows [o0, o1) of one page (slot `page_slot` its first),
+ * head g, from rotated keys k0 (the run's first, of the stage dtype, `row` elements a token).
+ * A channel's scale is the page's unless the run needs more (o0 == 0: the page is new, its old
+ * scale is nobody's); rows [0, o0) are rounded again where it grew. */
+static void kv8_store_keys(int elem_bytes, const void *k0, int64_t row, int o0, int o1,
+                           int64_t page_slot, int g, int8_t *codes, uint8_t *k_scale, int Hkv,
+                           int D) {
+    const int64_t row_stride = (int64_t)Hkv * D; /* codes between slots */
+    int8_t *page = codes + page_slot * row_stride + (int64_t)g * D;
+    uint8_t *scale = k_scale + (page_slot / PAGE * Hkv + g) * D;
+    for (int d = 0; d < D; d++) {
+        float amax = 0.0f;
+        for (int j = o0; j < o1; j++) {
+            const float x = fabsf(elem_load(elem_bytes, k0, (int64_t)(j - o0) * row + d));
+            amax = x > amax || x != x ? x : amax;
+        }
+        int e = kv8_exponent(amax);
+        const int e_old = (int)scale[d] - 128;
+        if (o0 > 0 && e <= e_old) e = e_old;
+        const float s_new = kv8_scale_of(e);
+        if (o0 > 0 && e > e_old) {
+            const float s_old = kv8_scale_of(e_old);
+            for (int j = 0; j < o0; j++)
+                page[j * row_stride + d] = kv8_code((float)page[j * row_stride + d] * s_old, s_new);
+        }
+        scale[d] = (uint8_t)(e + 128);
+        for (int j = o0; j < o1; j++)
+            page[j * row_stride + d] =
+                kv8_code(elem_load(elem_bytes, k0, (int64_t)(j - o0) * row + d), s_new);
+    }
+}
+
+/* rope_store_rows into an 8-bit cache (ppring.h): q rotated into q_out, each token's values
+ * quantized with their own scale, and its keys rotated in place in qkv (this store's scratch);
+ * then, after the loop's barrier, each run of consecutive slots in one page (a decode's token,
+ * a prefill's page) takes its keys into the page at once (kv8_store_keys). */
+static void kv8_rope_store_rows(int elem_bytes, void *qkv, int64_t row, void *q_out,
+                                const float *cos, const float *sin, const int64_t *positions,
+                                const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
+                                int Hkv, int D) {
+    int8_t *codes = kv;
+    uint8_t *k_scale = (uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D);
+    uint16_t *v_scale = (uint16_t *)((char *)kv + kv8_v_scale_at(num_slots, Hkv, D));
+    const int64_t v_offset = num_slots * Hkv * D;
+    const int eb = elem_bytes;
+#pragma omp for schedule(guided, 4)
+    for (int t = 0; t < T; t++) {
+        const int64_t at = (positions ? positions[t] : t) * D;
+        const float *c = cos + at, *s = sin + at;
+        for (int h = 0; h < H + Hkv; h++) {
+            char *x = (char *)qkv + ((int64_t)t * row + (int64_t)h * D) * eb;
+            if (h < H) {
+                rope_row(eb, x, c, s, (char *)q_out + ((int64_t)t * H + h) * D * eb, D);
+                continue;
+            }
+            float key[D]; /* big enough for D elements of either dtype */
+            rope_row(eb, x, c, s, key, D);
+            memcpy(x, key, (size_t)D * eb);
+        }
+        for (int g = 0; g < Hkv; g++) {
+            const char *x = (const char *)qkv + ((int64_t)t * row + (int64_t)(H + Hkv + g) * D) * eb;
+            float amax = 0.0f;
+            for (int d = 0; d < D; d++) {
+                const float a = fabsf(elem_load(eb, x, d));
+                amax = a > amax || a != a ? a : amax;
+            }
+            const uint16_t scale_bf16 = bf16_store(amax / KV8_CODE_MAX);
+            const float scale = bf16_load(scale_bf16);
+            v_scale[slots[t] * Hkv + g] = scale_bf16;
+            int8_t *dst = codes + v_offset + (slots[t] * Hkv + g) * D;
+            for (int d = 0; d < D; d++) dst[d] = scale > 0.0f ? kv8_code(elem_load(eb, x, d), scale) : 0;
+        }
+    }
+    /* (the barrier above: every key rotated) runs start where a token's slot does not follow
+     * the previous token's in the same page */
+#pragma omp for schedule(dynamic, 1)
+    for (int t = 0; t < T; t++) {
+        if (t > 0 && slots[t] == slots[t - 1] + 1 && slots[t] % PAGE != 0) continue;
+        int t1 = t + 1;
+        while (t1 < T && slots[t1] == slots[t1 - 1] + 1 && slots[t1] % PAGE != 0) t1++;
+        const int o0 = (int)(slots[t] % PAGE);
+        const int64_t page_slot = slots[t] - o0;
+        for (int g = 0; g < Hkv; g++)
+            kv8_store_keys(eb, (const char *)qkv + ((int64_t)t * row + (int64_t)(H + g) * D) * eb,
+                           row, o0, o0 + (t1 - t), page_slot, g, codes, k_scale, Hkv, D);
+    }
+}
+
 /* RoPE (rotate-half) on q and k, and this step's K and V stored at their cache slots. q, k and v
  * are column blocks of one fused [T, row] qkv matmul output: q [T, H, D] at column 0, k and v
  * [T, Hkv, D] at columns H*D and (H+Hkv)*D. The rotated q goes to q_out [T, H, D] (contiguous,
@@ -63,10 +171,15 @@ static inline void rope_row_bf16(const uint16_t *x, const float *c, const float 
  * out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], row t's at row t of cos and sin [T, D],
  * or with `positions` [T] (non-NULL) at row positions[t] of tables [P, D] that cover them.
  * K and V land in rows of the cache, or as pairs where kv_as_pairs. */
-void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+void rope_store_rows(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void *q_out,
                      const float *cos, const float *sin, const int64_t *positions,
                      const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
                      int Hkv, int D) {
+    if (kv_bytes == 1) {
+        kv8_rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, positions, slots, kv,
+                            num_slots, T, H, Hkv, D);
+        return;
+    }
     const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
     const int64_t v_offset = num_slots * Hkv * D;
 #pragma omp for schedule(guided, 4)
@@ -113,13 +226,13 @@ void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
     }
 }
 
-void rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+void rope_store(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void *q_out,
                 const float *cos, const float *sin, const int64_t *positions,
                 const int64_t *slots, void *kv, int64_t num_slots, int T, int H, int Hkv,
                 int D) {
 #pragma omp parallel if (T >= 8)
-    rope_store_rows(elem_bytes, qkv, row, q_out, cos, sin, positions, slots, kv, num_slots, T, H,
-                    Hkv, D);
+    rope_store_rows(elem_bytes, kv_bytes, qkv, row, q_out, cos, sin, positions, slots, kv,
+                    num_slots, T, H, Hkv, D);
 }
 
 /* Whether every one of T rows' cache slot lies in [0, num_slots) and, with positions (NULL:
@@ -134,14 +247,18 @@ int slots_positions_check(int T, const int64_t *slots, int64_t num_slots,
 }
 
 /* rope_store_rows over cos and sin [T, D]: q_out [T, H, D], k and v into the cache
- * [2, num_slots, Hkv, D] at slots [T], each checked first. Returns 0 or PPR_BAD_SLOT. */
-int ppr_rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out, const float *cos,
-                   const float *sin, const int64_t *slots, void *kv, int64_t num_slots, int T,
-                   int H, int Hkv, int D) {
+ * [2, num_slots, Hkv, D] (kv_bytes 1: the 8-bit cache, ppring.h, whose store rotates qkv's keys
+ * in place) at slots [T], each checked first. Returns 0, PPR_BAD_SLOT, or PPR_REFUSED for a
+ * cache kind this build does not store (num_slots not whole pages for an 8-bit one). */
+int ppr_rope_store(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void *q_out,
+                   const float *cos, const float *sin, const int64_t *slots, void *kv,
+                   int64_t num_slots, int T, int H, int Hkv, int D) {
     if (T < 0) return PPR_BAD_ROWS;
+    if (!kv_kind_ok(elem_bytes, kv_bytes, num_slots)) return PPR_REFUSED;
     const int bad = slots_positions_check(T, slots, num_slots, NULL, 0);
     if (bad) return bad;
-    rope_store(elem_bytes, qkv, row, q_out, cos, sin, NULL, slots, kv, num_slots, T, H, Hkv, D);
+    rope_store(elem_bytes, kv_bytes, qkv, row, q_out, cos, sin, NULL, slots, kv, num_slots, T, H,
+               Hkv, D);
     return 0;
 }
 

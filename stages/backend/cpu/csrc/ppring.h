@@ -226,6 +226,8 @@ typedef struct {
     void *x, *qkv, *q, *attn, *h, *gate_up, *act;
     /* the rotary tables of layers with rope_local (laid out as cos and sin), or NULL */
     const float *cos_local, *sin_local;
+    /* the cache's kind: elem_bytes (the stage dtype's), or 1 (the 8-bit cache: kv_kind_ok) */
+    int32_t kv_bytes;
 } ppr_step_t;
 
 static inline float bf16_load(uint16_t b) {
@@ -625,6 +627,70 @@ static inline int kv_as_pairs(int elem_bytes, int D) {
 #endif
 }
 
+/* ---- The 8-bit cache (kv_bytes 1: --kv-cache-dtype int8) -----------------------------------
+ * One layer's cache is one allocation (stages/kv_cache.py): codes [2, slots, Hkv, D] int8, K
+ * then V, in rows as a 4-byte cache's; then K's scales [slots / PAGE, Hkv, D] uint8, one per
+ * page, KV head and channel, each 2^(e / 8) with e = byte - 128 (kv8_scale); then V's scales
+ * [slots, Hkv] bf16, one per token and KV head. K per channel of a page because keys carry
+ * outlier channels (bench/kv_study.py: KLD added to the default model's fp32 logits, 4 windows,
+ * per token and head 0.00064, per channel of a page 0.00014; bf16 0.00002), and one byte a
+ * scale because 134 bytes per token and head (not 138 with fp16 scales) is what makes the same
+ * memory hold 1.9x bf16's blocks. V per token: a token's values are summed with one weight.
+ * A page's K scale only grows: tokens written into a page that already holds some raise a
+ * channel's e where they need it and round the page's earlier codes again at the new scale
+ * (ops.c kv8_store_keys); a prefill writes a page's tokens in one call, so once. Codes lie in
+ * [-127, 127]. stages/kv_quant.py does the same arithmetic in torch (the torch path, and the
+ * tests' reference). */
+#define KV8_CODE_MAX 127
+/* Whether a cache of kv_bytes (1: this 8-bit one; else the stage dtype's, elem_bytes) is one the
+ * kernels store and read: an 8-bit one in whole pages (its scales are per page). */
+static inline int kv_kind_ok(int elem_bytes, int kv_bytes, int64_t num_slots) {
+    return (elem_bytes == 4 || elem_bytes == 2) &&
+           (kv_bytes == elem_bytes || (kv_bytes == 1 && num_slots % PAGE == 0));
+}
+#define KV8_E_MIN (-128)
+#define KV8_E_MAX 127
+
+/* bytes before K's scales and before V's (elements of the codes, then of K's scales) */
+static inline int64_t kv8_k_scale_at(int64_t num_slots, int Hkv, int D) {
+    return 2 * num_slots * Hkv * D;
+}
+static inline int64_t kv8_v_scale_at(int64_t num_slots, int Hkv, int D) {
+    return kv8_k_scale_at(num_slots, Hkv, D) + num_slots / PAGE * Hkv * D;
+}
+
+/* 2^(e / 8) for e = b - 128: 2^(e mod 8 / 8), rounded to fp32 (stages/kv_quant.py's table),
+ * times 2^floor(e / 8), exactly (an exponent in [-16, 15]) */
+static inline float kv8_scale_of(int e) {
+    static const uint32_t frac_bits[8] = {0x3f800000u, 0x3f8b95c2u, 0x3f9837f0u, 0x3fa5fed7u,
+                                          0x3fb504f3u, 0x3fc5672au, 0x3fd744fdu, 0x3feac0c7u};
+    const uint32_t bits = (uint32_t)((int32_t)frac_bits[e & 7] + (e >> 3) * (1 << 23));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float kv8_scale(uint8_t b) { return kv8_scale_of((int)b - 128); }
+
+/* the smallest e in [KV8_E_MIN, KV8_E_MAX] whose scale takes amax into KV8_CODE_MAX (the
+ * largest for amax past them all, infinite or NaN) */
+static inline int kv8_exponent(float amax) {
+    if (!(amax <= KV8_CODE_MAX * kv8_scale_of(KV8_E_MAX))) return KV8_E_MAX;
+    if (amax <= KV8_CODE_MAX * kv8_scale_of(KV8_E_MIN)) return KV8_E_MIN;
+    int e = (int)ceilf(8.0f * log2f(amax / KV8_CODE_MAX)); /* a guess, then made exact */
+    e = e < KV8_E_MIN ? KV8_E_MIN : e > KV8_E_MAX ? KV8_E_MAX : e;
+    while (e > KV8_E_MIN && KV8_CODE_MAX * kv8_scale_of(e - 1) >= amax) e--;
+    while (e < KV8_E_MAX && KV8_CODE_MAX * kv8_scale_of(e) < amax) e++;
+    return e;
+}
+
+/* x / scale rounded to the nearest code (ties to even, as torch.round), in [-127, 127] */
+static inline int8_t kv8_code(float x, float scale) {
+    const float c = rintf(x / scale);
+    return (int8_t)(c > KV8_CODE_MAX ? KV8_CODE_MAX : c < -KV8_CODE_MAX ? -KV8_CODE_MAX
+                                                 : c == c            ? c
+                                                                     : 0.0f);
+}
+
 /* One task: query rows [row0, row0 + nrows) of one sequence, for the query heads of KV heads
  * [g0, g1). Online softmax over the context, one 16-key page at a time, in fp32. A page of the
  * cache holds all KV heads of its 16 slots back to back (16 * Hkv * D values for K, the same
@@ -743,11 +809,12 @@ static inline int a8_weight_ok(int K, int bits, const void *offset) {
 /* ---- what one file defines and another calls ---- */
 
 /* attention.c */
-PPR_INTERNAL int attention_plan(int elem_bytes, int num_seqs, const int32_t *q_len,
+PPR_INTERNAL int attention_plan(int kv_bytes, int num_seqs, const int32_t *q_len,
                                 const int32_t *ctx_len, int H, int Hkv, int D, int num_threads,
                                 Task *tasks);
 PPR_INTERNAL size_t attention_scratch_floats(int D);
-PPR_INTERNAL void attention_run(const Task *tasks, int num_tasks, int elem_bytes, const void *q,
+PPR_INTERNAL void attention_run(const Task *tasks, int num_tasks, int elem_bytes, int kv_bytes,
+                               const void *q,
                                 const void *kv, void *out, const int32_t *q_start,
                                 const int32_t *q_len, const int32_t *ctx_len,
                                 const int32_t *table, int table_stride, int64_t num_slots, int H,
@@ -757,13 +824,13 @@ PPR_INTERNAL int attention_indices_check(int num_tokens, int num_seqs, const int
                                          const int32_t *q_len, const int32_t *ctx_len,
                                          const int32_t *table, int table_stride,
                                          int64_t num_slots);
-PPR_INTERNAL int paged_attention(int elem_bytes, const void *q, const void *kv, void *out,
+PPR_INTERNAL int paged_attention(int elem_bytes, int kv_bytes, const void *q, const void *kv, void *out,
                                  int num_seqs, const int32_t *q_start, const int32_t *q_len,
                                  const int32_t *ctx_len, const int32_t *table, int table_stride,
                                  int64_t num_slots, int H, int Hkv, int D, float scale);
 
 /* attention_window.c */
-PPR_INTERNAL int paged_attention_window(int elem_bytes, const void *q, const void *kv, void *out,
+PPR_INTERNAL int paged_attention_window(int elem_bytes, int kv_bytes, const void *q, const void *kv, void *out,
                                         int num_seqs, const int32_t *q_start,
                                         const int32_t *q_len, const int32_t *ctx_len,
                                         const int32_t *table, int table_stride,
@@ -771,11 +838,11 @@ PPR_INTERNAL int paged_attention_window(int elem_bytes, const void *q, const voi
                                         int window, float softcap);
 
 /* ops.c */
-PPR_INTERNAL void rope_store_rows(int elem_bytes, const void *qkv, int64_t row, void *q_out,
-                                  const float *cos, const float *sin, const int64_t *positions,
-                                  const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
-                                  int Hkv, int D);
-PPR_INTERNAL void rope_store(int elem_bytes, const void *qkv, int64_t row, void *q_out,
+PPR_INTERNAL void rope_store_rows(int elem_bytes, int kv_bytes, void *qkv, int64_t row,
+                                  void *q_out, const float *cos, const float *sin,
+                                  const int64_t *positions, const int64_t *slots, void *kv,
+                                  int64_t num_slots, int T, int H, int Hkv, int D);
+PPR_INTERNAL void rope_store(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void *q_out,
                              const float *cos, const float *sin, const int64_t *positions,
                              const int64_t *slots, void *kv, int64_t num_slots, int T, int H,
                              int Hkv, int D);
