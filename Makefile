@@ -41,7 +41,8 @@ ASAN_TESTS := tests/stages/test_native.py tests/stages/test_native_bounds.py \
 	tests/stages/test_grid_a8.py tests/stages/test_grid_bf16.py tests/stages/test_native_heads.py \
 	tests/stages/test_amx.py tests/stages/test_prefill_attention.py \
 	tests/stages/test_attention_window.py tests/stages/test_gguf_matrix.py \
-	tests/stages/test_gguf.py::test_a_k_quant_model_runs_its_codes_fused_as_call_by_call
+	tests/stages/test_gguf.py::test_a_k_quant_model_runs_its_codes_fused_as_call_by_call \
+	tests/stages/test_kv_int8.py
 # Of the families' tests, the two that run every family's layers fused and call by call (the
 # whole file, most of it transformers' reference, doubled this run).
 ASAN_FAMILY_TESTS := \

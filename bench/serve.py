@@ -115,9 +115,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=("none", "int8"), default="none")
     parser.add_argument(
         "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
         default="auto",
-        help="what each stage's KV cache stores (ppring local's)",
+        help="what each stage's KV cache stores (ppring local's); several, e.g. auto,int8: a "
+        "ring of each per layout, named 'PP=1 KV int8' (with --repeats, alternated)",
     )
     parser.add_argument(
         "--pp-async-batch-depth", type=int, default=None, help="the rings' (ppring local's default)"
@@ -198,6 +198,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.rates = [float(x) for x in args.rates.split(",")] if args.rates else None
         args.prompt_tokens = tuple(int(x) for x in args.prompt_tokens.split(","))
         args.hf_dtypes = [x.strip() for x in args.hf_dtypes.split(",") if x.strip()]
+        args.kv_cache_dtypes = [x.strip() for x in args.kv_cache_dtype.split(",") if x.strip()]
         args.output_tokens = tuple(int(x) for x in args.output_tokens.split(","))
     except ValueError:
         parser.error(
@@ -237,6 +238,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--no-sweep and --rates contradict each other; pick one")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if not args.kv_cache_dtypes or any(k not in KV_CACHE_DTYPES for k in args.kv_cache_dtypes):
+        parser.error(f"--kv-cache-dtype takes some of {', '.join(KV_CACHE_DTYPES)}")
     args.schedule_policies = [x.strip() for x in args.schedule_policies.split(",") if x.strip()]
     if not args.schedule_policies or any(p not in ("fcfs", "lpm") for p in args.schedule_policies):
         parser.error("--schedule-policies takes fcfs, lpm, or fcfs,lpm")
@@ -260,11 +263,14 @@ def local_ring(
     log_dir: Path,
     tag: str | None = None,
     extra: list[str] | None = None,
+    kv_cache_dtype: str | None = None,
 ):
     """`ppring local` for one layout; yields the frontend's address and, when a backend wants
     it, its OpenAI API's URL (else None). Stopped by PID. `tag`: its log folder (default
-    pp<N>); `extra`: more `ppring local` flags."""
+    pp<N>); `extra`: more `ppring local` flags; `kv_cache_dtype`: its --kv-cache-dtype (default:
+    the first asked)."""
     tag = tag or f"pp{pp_size}"
+    kv_cache_dtype = kv_cache_dtype or args.kv_cache_dtypes[0]
     from launch.procs import ROOT, ProcessGroup, find_free_base_port, wait_for_ready_line
 
     port = find_free_base_port(16)
@@ -276,7 +282,7 @@ def local_ring(
         "--pp-size", str(pp_size),
         "--max-running-requests", str(args.concurrency), "--port", str(port),
         "--dtype", args.dtype, "--device", args.device,
-        "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
+        "--quantization", args.quantization, "--kv-cache-dtype", kv_cache_dtype,
         "--log-dir", str(log_dir / tag), *(extra or []),
     ]  # fmt: skip
     if args.device == "cpu":  # a GPU stage takes its own default (launch.flags.stage_threads)
@@ -433,9 +439,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"openai {args.base_url}", None, args.base_url, args.served_model, args.api_key
             )
             _sweep(args, [target], workload, points)
-        for pp_size in [] if args.base_url else args.pp_sizes:
-            with local_ring(args, model_dir, pp_size, logs) as (addr, http_url):
-                _sweep(args, _targets(args, pp_size, addr, http_url), workload, points)
+        for pp_size, kv in [] if args.base_url else ring_layouts(args):
+            ring = local_ring(args, model_dir, pp_size, logs, *ring_names(args, pp_size, kv))
+            with ring as (addr, http_url):
+                _sweep(args, _targets(args, pp_size, addr, http_url, kv), workload, points)
             # Written after every layout and baseline: a later failure loses nothing measured.
             write_results(args, argv, model_dir, workload, points, baselines, started, quiet=True)
     for name, hf_dtype, compiled in hf_baselines(args):
@@ -482,9 +489,11 @@ def _alternated(
     rounds: dict[tuple[str, int], list[Point]] = {}
     with ExitStack() as rings:
         targets: list[Target] = []
-        for pp_size in args.pp_sizes:
-            addr, http_url = rings.enter_context(local_ring(args, model_dir, pp_size, logs))
-            targets += _targets(args, pp_size, addr, http_url)
+        for pp_size, kv in ring_layouts(args):
+            addr, http_url = rings.enter_context(
+                local_ring(args, model_dir, pp_size, logs, *ring_names(args, pp_size, kv))
+            )
+            targets += _targets(args, pp_size, addr, http_url, kv)
         for target in targets:
             _warm_up(target, workload, max(args.concurrencies), args.seed)
         hfs = [
@@ -557,15 +566,26 @@ class Target:
         return NativeBackend(self.addr)
 
 
+def ring_layouts(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """Every ring to bench: each PP size with each --kv-cache-dtype."""
+    return [(pp_size, kv) for pp_size in args.pp_sizes for kv in args.kv_cache_dtypes]
+
+
+def ring_names(args: argparse.Namespace, pp_size: int, kv: str) -> tuple[str, None, str]:
+    """local_ring's tag, extra flags and KV dtype for one ring: its log folder pp<N>, or
+    pp<N>-kv-<dtype> where several KV dtypes are benched."""
+    tag = f"pp{pp_size}" if len(args.kv_cache_dtypes) == 1 else f"pp{pp_size}-kv-{kv}"
+    return tag, None, kv
+
+
 def _targets(
-    args: argparse.Namespace, pp_size: int, addr: str, http_url: str | None
+    args: argparse.Namespace, pp_size: int, addr: str, http_url: str | None, kv: str = "auto"
 ) -> list[Target]:
     """One layout's ring as each --backend reaches it: its ZeroMQ client ("PP=2") or its
-    OpenAI API ("PP=2 HTTP")."""
+    OpenAI API ("PP=2 HTTP"); "PP=2 KV int8" where several KV dtypes are benched."""
+    name = f"PP={pp_size}" if len(args.kv_cache_dtypes) == 1 else f"PP={pp_size} KV {kv}"
     return [
-        Target(f"PP={pp_size} HTTP", addr, http_url)
-        if b == "openai"
-        else Target(f"PP={pp_size}", addr, None)
+        Target(f"{name} HTTP", addr, http_url) if b == "openai" else Target(name, addr, None)
         for b in args.backends
     ]
 
@@ -682,7 +702,7 @@ def write_results(
         "dtype": args.dtype,
         "dtype_resolved": _resolved_dtype(args, model_dir),
         "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtypes": args.kv_cache_dtypes,
         "workload_kind": args.workload,
         "device": args.device,
         "threads": args.threads,
@@ -841,6 +861,9 @@ def _paired_ratios(
         }
         pairs = [(k, baselines[0]["layout"]) for k in at if baselines and k.startswith("PP=")]
         pairs += [("PP=2", "PP=1")] if "PP=1" in at and "PP=2" in at else []
+        for layout in at:  # an 8-bit cache over the stage dtype's, at each PP size
+            if layout.startswith("PP=") and layout.endswith(" KV int8"):
+                pairs.append((layout, layout.removesuffix(" KV int8") + " KV auto"))
         for num, den in pairs:
             if den not in at:
                 continue

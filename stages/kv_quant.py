@@ -3,12 +3,16 @@ dequantization. The CPU kernels do the same arithmetic in C (csrc/ppring.h "The 
 csrc/ops.c kv8_store_keys); the torch path stores and gathers through here, and the tests take
 it as the reference the kernels must match.
 
-One layer's cache is one byte buffer (stages/kv_cache.py allocates it):
-  codes    [2, slots, h_kv, d] int8   K then V, rows as a 16- or 32-bit cache's
-  k_scale  [slots / 16, h_kv, d] uint8  per page, KV head and channel: 2^(e / 8), e = byte - 128
-  v_scale  [slots, h_kv] bf16           per token and KV head
+One layer's cache is one byte buffer (stages/kv_cache.py allocates it), each part by page
+(16 slots) and KV head, as the kernels read them (csrc/ppring.h "The 8-bit cache"):
+  K codes  [pages, h_kv, d / 2, 16, 2] int8  a page's keys as pairs of channels per slot
+  V codes  [pages, h_kv, 8, d, 2] int8       its values as pairs of slots per channel
+  k_scale  [pages, h_kv, d] uint8            per page, KV head and channel: 2^(e / 8),
+                                             e = byte - 128
+  v_scale  [pages, h_kv, 16] bf16            per token and KV head
 A layer is handed around as its codes, an int8 tensor [2, slots, h_kv, d] at the start of the
-buffer (what a 16- or 32-bit cache's layer looks like); `parts` finds the scales after them.
+buffer (the shape of a 16- or 32-bit cache's layer, in the layout above, so only this module
+and the kernels read it); `parts` finds the scales after them and views each part by slot.
 
 Why these granularities (bench/kv_study.py, the default model's fp32 logits, KLD added over 4
 windows of 512 tokens): K per token and head 0.00064, per channel of a 16-token page 0.00014
@@ -61,9 +65,11 @@ def block_bytes(num_kv_heads: int, head_dim: int) -> int:
 def parts(
     kv_layer: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k_codes [slots, h_kv, d] int8, v_codes, k_scale [pages, h_kv, d] uint8, v_scale
-    [slots, h_kv] bf16) of a layer: kv_layer its codes [2, slots, h_kv, d], the start of the
-    layer's buffer, which must hold the scales after them."""
+    """(k_codes [pages, 16, h_kv, d / 2, 2] int8, v_codes [pages, 8, 2, h_kv, d] int8, k_scale
+    [pages, h_kv, d] uint8, v_scale [pages, 16, h_kv] bf16) of a layer: strided views of its
+    page layout, indexed by page and slot of the page (V's slot j at [page, j // 2, j % 2]; K's
+    channel c at [..., c // 2, c % 2]). kv_layer: its codes [2, slots, h_kv, d], the start of
+    the layer's buffer, which must hold the scales after them."""
     if kv_layer.dtype is not torch.int8 or kv_layer.dim() != 4 or not kv_layer.is_contiguous():
         raise ValueError("an 8-bit cache layer is its int8 codes [2, slots, h_kv, d]")
     _, num_slots, h, d = kv_layer.shape
@@ -76,9 +82,15 @@ def parts(
         raise ValueError("this int8 tensor is not an 8-bit cache layer: no scales follow it")
     whole = torch.empty(0, dtype=torch.uint8, device=kv_layer.device).set_(storage, at, (need,))
     cells = num_slots * h * d
-    k_scale = whole[2 * cells : 2 * cells + cells // BLOCK_SIZE].view(-1, h, d)
-    v_scale = whole[2 * cells + cells // BLOCK_SIZE :].view(torch.bfloat16).view(num_slots, h)
-    return kv_layer[0], kv_layer[1], k_scale, v_scale
+    pages, pair = num_slots // BLOCK_SIZE, BLOCK_SIZE // 2
+    k_scale = whole[2 * cells : 2 * cells + cells // BLOCK_SIZE].view(pages, h, d)
+    v_scale = whole[2 * cells + cells // BLOCK_SIZE :].view(torch.bfloat16)
+    v_scale = v_scale.view(pages, h, BLOCK_SIZE).permute(0, 2, 1)
+    # K [pages, h, d / 2, 16, 2] -> [pages, 16, h, d / 2, 2]
+    k_codes = kv_layer[0].view(pages, h, d // 2, BLOCK_SIZE, 2).permute(0, 3, 1, 2, 4)
+    # V [pages, h, 8, d, 2] -> [pages, 8, 2, h, d] -> by slot, the channel pairs as K's
+    v_codes = kv_layer[1].view(pages, h, pair, d, 2).permute(0, 2, 4, 1, 3)
+    return k_codes, v_codes, k_scale, v_scale
 
 
 def exponent(amax: torch.Tensor) -> torch.Tensor:
@@ -110,11 +122,13 @@ def store(
     page (a decode's token, a prefill's page) into its page's keys at once."""
     k_codes, v_codes, k_scale, v_scale = parts(kv_layer)
     slots = slot_mapping.to(torch.int64)
+    page, j = slots // BLOCK_SIZE, slots % BLOCK_SIZE
     vf = v.float()
     v_s = (vf.abs().amax(-1) / CODE_MAX).to(torch.bfloat16)  # [T, h_kv]
     v_sf = v_s.float()[..., None]
-    v_codes[slots] = torch.where(v_sf > 0, code(vf, v_sf), torch.zeros((), dtype=torch.int8))
-    v_scale[slots] = v_s
+    zero = torch.zeros((), dtype=torch.int8)
+    v_codes[page, j // 2, j % 2] = torch.where(v_sf > 0, code(vf, v_sf), zero)
+    v_scale[page, j] = v_s
     kf = k.float()
     slot_list = slots.tolist()
     t = 0
@@ -136,19 +150,19 @@ def _store_keys(
     """keys [n, h_kv, d] fp32 into slots [slot, slot + n) of one page (csrc/ops.c
     kv8_store_keys)."""
     o0, page = slot % BLOCK_SIZE, slot // BLOCK_SIZE
-    first = page * BLOCK_SIZE
     e = exponent(keys.abs().amax(0))  # [h_kv, d]
     if o0 > 0:
         e_old = k_scale[page].long() - 128
         e = torch.maximum(e, e_old)
         grown = e > e_old  # [h_kv, d]
         if bool(grown.any()):
-            old = k_codes[first:slot]  # [o0, h_kv, d]
+            old = k_codes[page, :o0].reshape(o0, *e.shape)  # [o0, h_kv, d]
             s_old, s_new = _scales(e_old), _scales(e)
             again = code(old.float() * s_old, s_new)
-            k_codes[first:slot] = torch.where(grown, again, old)
+            k_codes[page, :o0] = torch.where(grown, again, old).view(k_codes[page, :o0].shape)
     k_scale[page] = (e + 128).to(torch.uint8)
-    k_codes[slot : slot + keys.shape[0]] = code(keys, _scales(e))
+    n = keys.shape[0]
+    k_codes[page, o0 : o0 + n] = code(keys, _scales(e)).view(k_codes[page, o0 : o0 + n].shape)
 
 
 def _scales(e: torch.Tensor) -> torch.Tensor:
@@ -160,12 +174,11 @@ def gather(kv_layer: torch.Tensor, key_slots: torch.Tensor, dtype: torch.dtype) 
     """K and V of an 8-bit layer at key_slots [L], dequantized: [2, L, h_kv, d] of `dtype`
     (code times its scale in fp32, then rounded to dtype)."""
     k_codes, v_codes, k_scale, v_scale = parts(kv_layer)
-    k_bytes = k_scale.index_select(0, key_slots // BLOCK_SIZE).long()  # [L, h_kv, d]
-    k = k_codes.index_select(0, key_slots).float() * SCALES.to(k_bytes.device)[k_bytes]
-    v = (
-        v_codes.index_select(0, key_slots).float()
-        * v_scale.index_select(0, key_slots).float()[..., None]
-    )
+    pages, j = key_slots // BLOCK_SIZE, key_slots % BLOCK_SIZE
+    k_bytes = k_scale.index_select(0, pages).long()  # [L, h_kv, d]
+    k_at = k_codes[pages, j].reshape(k_bytes.shape)  # [L, h_kv, d]
+    k = k_at.float() * SCALES.to(k_bytes.device)[k_bytes]
+    v = v_codes[pages, j // 2, j % 2].float() * v_scale[pages, j].float()[..., None]
     return torch.stack((k, v)).to(dtype)
 
 

@@ -84,6 +84,24 @@ def test_bench_step_times_decode_steps_against_the_bandwidth_bound(random_model,
         )
 
 
+def test_bench_step_counts_an_8_bit_caches_bytes(random_model, tmp_path):
+    code = step_bench.main(
+        [
+            "--model", str(random_model), "--dtype", "float32", "--batch-sizes", "2",
+            "--context", "20", "--steps", "2", "--rounds", "1", "--threads", "1",
+            "--copy-mib", "16", "--kv-cache-dtype", "int8", "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    # codes (2 x h_kv x d), K's scales (a byte a channel per 16 tokens), V's (bf16 a head)
+    per_layer = 2 * 2 * 16 + 2 * 16 / 16 + 2 * 2
+    assert result["kv_cache_dtype"] == "int8"
+    assert result["kv_bytes_per_token"] == 4 * per_layer
+    row = result["rows"][0]
+    assert row["kv_read_bytes"] > 0 and row["step_ms"] > 0
+
+
 def test_the_header_says_what_each_batch_reads():
     assert step_bench.read_summary({1: 10**8, 32: 10**8}) == "0.10 GB read per step"
     assert step_bench.read_summary({1: 10**8, 32: 27 * 10**7}) == (

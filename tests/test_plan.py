@@ -208,6 +208,23 @@ def test_a_config_json_sizes_the_plan(
     assert [p["label"] for p in data["layouts"]] == ["TP=2", "PP=2"]
 
 
+def test_an_8_bit_kv_cache_is_sized_with_its_scales(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    sizes = {}
+    for kv in ("bf16", "int8"):
+        code, out, _ = run(
+            ["--model", str(tmp_path), "--gpus", "2", "--json", "--kv-cache-dtype", kv], capsys
+        )
+        assert code == 0
+        sizes[kv] = json.loads(out)
+    # int8: codes (2 x 2 heads x 16), a K scale byte a channel per 16 tokens, a bf16 V scale
+    assert sizes["int8"]["kv_bytes_per_token_per_layer"] == 2 * 2 * 16 + 2 * 16 // 16 + 2 * 2
+    bf16, eight = (sizes[kv]["layouts"][0]["kv_tokens"] for kv in ("bf16", "int8"))
+    assert eight / bf16 == pytest.approx(128 / 70, rel=0.01)  # bf16: 2 x 2 x 16 x 2 bytes
+
+
 @pytest.mark.parametrize(
     ("argv", "names"),
     [

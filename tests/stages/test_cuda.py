@@ -120,14 +120,16 @@ def test_the_launcher_on_this_gpu_runs_the_checkpoints_dtype_and_refuses_int8_in
     `--dtype auto` names the checkpoint's bf16 in the start-up summary, an fp32 checkpoint runs
     bf16 (this GPU has it), and `--quantization int8`, a CPU path, stops the launcher with one
     sentence before any stage starts."""
-    from types import SimpleNamespace
+    from dataclasses import replace
 
     from launch import local
+    from stages.config import ModelConfig
 
     args = local.parse_args(["--model", str(tiny_dirs["gqa"]), "--device", "cuda"])
-    lines = local.compute_lines(args, SimpleNamespace(torch_dtype="bfloat16"))
+    config = ModelConfig.from_folder(tiny_dirs["gqa"])
+    lines = local.compute_lines(args, replace(config, torch_dtype="bfloat16"))
     assert lines[0] == "dtype: bfloat16 (auto: the checkpoint's own dtype)"
-    lines = local.compute_lines(args, SimpleNamespace(torch_dtype="float32"))
+    lines = local.compute_lines(args, replace(config, torch_dtype="float32"))
     assert lines[0] == "dtype: bfloat16 (auto: bf16 on a GPU that has it)"
     argv = ["--model", str(tiny_dirs["gqa"]), "--device", "cuda", "--quantization", "int8"]
     assert local.main([*argv, "--port", "1"]) == 2

@@ -73,24 +73,30 @@ def qkv_rows(n: int, seed: int) -> torch.Tensor:
 STEPS = [(0, 21), (1, 16), (0, 1), (1, 1), (0, 11), (1, 1), (0, 1), (0, 1), (1, 9), (0, 1)]
 
 
-def test_the_kernels_store_what_the_torch_reference_stores_bit_for_bit_and_attend_over_it() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_store_what_the_torch_reference_stores_bit_for_bit_and_attend_over_it(
+    dtype: torch.dtype,
+) -> None:
+    """fp32: products in fp32 (the decoded page); bf16: the codes as int16 pairs (vpdpwssd),
+    queries and probabilities rounded to 15 bits of their largest (csrc/attention.c)."""
     k8 = kernels()
-    native_kv = KVCache(1, 12, H_KV, D, torch.float32, kv_cache_dtype="int8")
-    torch_kv = KVCache(1, 12, H_KV, D, torch.float32, kv_cache_dtype="int8")
+    if dtype == torch.bfloat16 and not k8.bf16_dot:
+        pytest.skip("a bf16 stage's kernels need AVX512_BF16")
+    native_kv = KVCache(1, 12, H_KV, D, dtype, kv_cache_dtype="int8")
+    torch_kv = KVCache(1, 12, H_KV, D, dtype, kv_cache_dtype="int8")
     tables = [[7, 2, 9, 4], [3, 11, 0, 5]]
     lengths = [0, 0]
     for step, (seq, n) in enumerate(STEPS):
         positions = range(lengths[seq], lengths[seq] + n)
         lengths[seq] += n
         slots = slots_of(tables[seq], positions)
-        qkv = qkv_rows(n, step)
+        qkv = qkv_rows(n, step).to(dtype)
         cos, sin = rope_tables(n, step)
         rotated = qkv.clone()  # the 8-bit store leaves its keys rotated in place
         q = k8.rope_store(rotated, cos, sin, slots, native_kv.layer(0), H)
         k = rotated[:, H * D : (H + H_KV) * D].view(n, H_KV, D)
-        assert (
-            k - rotate(qkv[:, H * D : (H + H_KV) * D].view(n, H_KV, D), cos, sin)
-        ).abs().max() < 1e-4
+        exact = rotate(qkv[:, H * D : (H + H_KV) * D].float().view(n, H_KV, D), cos, sin)
+        assert (k.float() - exact).abs().max() < (1e-4 if dtype == torch.float32 else 0.3)
         store_kv(torch_kv.layer(0), slots, k, qkv[:, (H + H_KV) * D :].view(n, H_KV, D))
         for mine, reference in zip(
             kv_quant.parts(native_kv.layer(0)), kv_quant.parts(torch_kv.layer(0))
@@ -105,13 +111,15 @@ def test_the_kernels_store_what_the_torch_reference_stores_bit_for_bit_and_atten
         )
         mask = torch.ones(n, context, dtype=torch.bool).tril(context - n)
         expected = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
-            attn_mask=mask, scale=D**-0.5, enable_gqa=True,
+            q.float().transpose(0, 1)[None], k_all.transpose(0, 1)[None],
+            v_all.transpose(0, 1)[None], attn_mask=mask, scale=D**-0.5, enable_gqa=True,
         )[0].transpose(0, 1)  # fmt: skip
+        # fp32: rounding apart (values up to ~10); bf16: about the output's own rounding
+        tolerance = 1e-4 if dtype == torch.float32 else 0.01 * expected.abs().max().item()
         got = k8.paged_attention(q, native_kv.layer(0), *meta, table, D**-0.5)
-        assert (got - expected).abs().max().item() < 1e-4, f"step {step}"  # values up to ~10
+        assert (got.float() - expected).abs().max().item() < tolerance, f"step {step}"
         windowed = k8.paged_attention(q, native_kv.layer(0), *meta, table, D**-0.5, window=4096)
-        assert (windowed - expected).abs().max().item() < 1e-4, f"step {step} (window kernel)"
+        assert (windowed.float() - expected).abs().max().item() < tolerance, f"step {step}"
 
 
 def test_a_page_rounds_once_when_written_whole_and_again_where_a_later_token_raises_its_scale():
@@ -122,12 +130,14 @@ def test_a_page_rounds_once_when_written_whole_and_again_where_a_later_token_rai
     store_kv(kv.layer(0), torch.tensor([16, 17]), keys[:2], values[:2])
     k_codes, v_codes, k_scale, v_scale = kv_quant.parts(kv.layer(0))
     first = k_scale[1, 0].clone()
+    k_codes = k_codes.reshape(2, 16, 1, 16)  # [page, slot, head, channel] (a copy)
     # 1.0 at the smallest of the scales 2^(e / 8) that holds it: code round(1 / 2^(-55 / 8))
-    assert torch.equal(k_codes[16:18, 0], torch.full((2, 16), 117, dtype=torch.int8))
+    assert torch.equal(k_codes[1, :2, 0], torch.full((2, 16), 117, dtype=torch.int8))
     store_kv(kv.layer(0), torch.tensor([18]), keys[2:], values[2:])
+    k_codes = kv_quant.parts(kv.layer(0))[0].reshape(2, 16, 1, 16)
     assert torch.equal(k_scale[1, 0, :5], first[:5]) and k_scale[1, 0, 5] == first[5] + 16
-    assert k_codes[16, 0, 5] == 29 and k_codes[18, 0, 5] == 117  # 117 at 4x the scale: 29.25
-    assert k_codes[16, 0, 4] == 117  # other channels untouched
+    assert k_codes[1, 0, 0, 5] == 29 and k_codes[1, 2, 0, 5] == 117  # 117 at 4x: 29.25
+    assert k_codes[1, 0, 0, 4] == 117  # other channels untouched
     dequantized = kv_quant.dequantize(kv.layer(0))
     assert (dequantized[0, 16:19] - keys).abs().max() <= 4.0 / 127 / 2 * 1.01
     scale = values.abs().amax(-1, keepdim=True) / 127  # per token and head
@@ -282,3 +292,66 @@ def test_greedy_tokens_through_kept_decode_steps_match_the_torch_reference(
             Chain(tiny_dirs["gqa"], [2, 2], kv_cache_dtype="int8"), prompts, 20
         )
     assert got == reference
+
+
+def test_pages_convert_to_the_bf16_pairs_the_tiles_read_as_the_dequantized_values_rounded():
+    k8 = kernels()
+    if not k8.bf16_dot:
+        pytest.skip("bf16 pairs need AVX512_BF16")
+    kv = KVCache(1, 6, H_KV, D, torch.float32, kv_cache_dtype="int8")
+    table = [4, 1, 5]
+    n = 40
+    qkv, (cos, sin) = qkv_rows(n, 3), rope_tables(n, 3)
+    k8.rope_store(qkv, cos, sin, slots_of(table, range(n)), kv.layer(0), H)
+    pages = torch.tensor(table, dtype=torch.int32)
+    pairs = k8.kv8_pairs(kv.layer(0), pages)
+    assert pairs is not None
+    slots = slots_of(table, range(len(table) * BLOCK_SIZE))
+    expected = gather_kv(kv.layer(0), slots, torch.float32).to(torch.bfloat16)
+    assert torch.equal(k8.from_cache_layout(pairs), expected)
+    with pytest.raises(IndexError, match="outside the KV pool"):
+        k8.kv8_pairs(kv.layer(0), torch.tensor([6], dtype=torch.int32))
+
+
+def test_a_long_prefill_chunk_over_an_8_bit_cache_attends_on_the_tiles_as_the_reference():
+    from stages.backend.cpu.prefill_attention import PrefillAttention
+    from stages.inputs import PagedAttn
+
+    k8 = kernels()
+    if not k8.amx_bf16:
+        pytest.skip("no AMX-BF16 here")
+    kv = KVCache(1, 8, H_KV, D, torch.bfloat16, kv_cache_dtype="int8")
+    table = [6, 0, 3, 7, 2]
+    context, rows = 70, 45  # a chunk of 45 rows after 25 earlier keys
+    qkv = qkv_rows(context, 5).to(torch.bfloat16)
+    cos, sin = rope_tables(context, 5)
+    q = k8.rope_store(qkv, cos, sin, slots_of(table, range(context)), kv.layer(0), H)[-rows:]
+    meta = [torch.tensor([x], dtype=torch.int32) for x in (0, rows, context)]
+    paged = PagedAttn(*meta, torch.tensor([table], dtype=torch.int32), max_q_len=rows)
+    got = PrefillAttention(k8)(q.contiguous(), kv.layer(0), paged, D**-0.5)
+    # the tiles multiply the dequantized keys and values rounded to bf16 (csrc/kv8.c)
+    k_all, v_all = gather_kv(kv.layer(0), slots_of(table, range(context)), torch.bfloat16).float()
+    mask = torch.ones(rows, context, dtype=torch.bool).tril(context - rows)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
+        attn_mask=mask, scale=D**-0.5, enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    assert (got.float() - expected).abs().max().item() < 0.1  # P rounded to bf16; values ~10
+
+
+def test_the_start_up_summary_says_what_the_kv_cache_holds_and_refuses_what_it_cannot(
+    tiny_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launch import local
+
+    folder = tiny_dirs["gqa"]
+    config = ModelConfig.from_folder(folder)
+    argv = ["--model", str(folder), "--dtype", "float32"]
+    lines = local.compute_lines(local.parse_args([*argv, "--kv-cache-dtype", "int8"]), config)
+    (line,) = [x for x in lines if x.startswith("KV cache:")]
+    assert "int8" in line and "against float32's" in line
+    (line,) = [x for x in local.compute_lines(local.parse_args(argv), config) if "KV" in x]
+    assert line.startswith("KV cache: float32,")
+    assert local.main([*argv, "--kv-cache-dtype", "fp8_e4m3", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --kv-cache-dtype fp8_e4m3 is not built yet")

@@ -105,6 +105,9 @@ class NativeKernels(MatmulKernels):
         lib.ppr_prefill_attention_amx.argtypes = [_vp] * 3 + [ctypes.c_int] * 4 + [_vp]
         lib.ppr_prefill_attention_amx.argtypes += [ctypes.c_int, ctypes.c_int64]
         lib.ppr_prefill_attention_amx.argtypes += [ctypes.c_int] * 3 + [ctypes.c_float]
+        lib.ppr_kv8_pairs.restype = ctypes.c_int
+        lib.ppr_kv8_pairs.argtypes = [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp]
+        lib.ppr_kv8_pairs.argtypes += [ctypes.c_int, _vp]
         lib.ppr_linear_grid_a8_amx.restype = ctypes.c_int
         lib.ppr_linear_grid_a8_amx.argtypes = [_vp] * 5 + [ctypes.c_int] * 4
         lib.ppr_linear_grid_bf16.restype = ctypes.c_int
@@ -263,6 +266,27 @@ class NativeKernels(MatmulKernels):
         )  # fmt: skip
         check_status(status, "prefill attention", num_tokens, num_slots)
         return status == 0
+
+    def kv8_pairs(self, kv_layer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
+        """The pages `pages` [n] (int32) of an 8-bit layer (stages/kv_quant.py) as pages 0..n of
+        a bf16 cache in this build's pairs layout, [2, n * 16, h_kv, d]: what the AMX tiles read
+        (csrc/kv8.c). None where this build holds no bf16 pairs for d."""
+        kv_kind(kv_layer, torch.empty(0))
+        _, num_slots, num_kv_heads, head_dim = kv_layer.shape
+        if not self.kv_as_pairs(torch.bfloat16, head_dim):
+            return None
+        if pages.dtype is not torch.int32 or pages.dim() != 1 or not pages.is_contiguous():
+            raise ValueError("the pages must be contiguous int32 [n]")
+        n = pages.shape[0]
+        out = torch.empty(2, n * BLOCK_SIZE, num_kv_heads, head_dim, dtype=torch.bfloat16)
+        status = self._lib.ppr_kv8_pairs(
+            kv_layer.data_ptr(), num_slots, num_kv_heads, head_dim, pages.data_ptr(), n,
+            out.data_ptr(),
+        )  # fmt: skip
+        check_status(status, "kv8_pairs", None, num_slots)
+        if status != 0:
+            raise RuntimeError(f"kv8_pairs refused a cache of head_dim {head_dim}")
+        return out
 
     def kv_as_pairs(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether this build holds a cache of this dtype and head_dim as pairs (ppring.h

@@ -12,7 +12,8 @@ last chunk, 476 rows x 1,500 keys), 0.65 s on the tiles (transformers' bf16 forw
 A chunk of at least `min_rows` rows goes to the tiles (or SDPA), the rest of the batch
 (decodes, short chunks) to the paged kernel, each writing its own rows of one output. For SDPA
 a bf16 stage's cache, which holds each page as pairs (ppring.h kv_as_pairs), is gathered with
-one index_select and one permute per half; the tiles read the pages in place.
+one index_select and one permute per half; the tiles read the pages in place. An 8-bit cache's
+context is converted to bf16 pairs first, once a chunk and layer (csrc/kv8.c).
 """
 
 from __future__ import annotations
@@ -63,16 +64,27 @@ class PrefillAttention:
                 out=out,
             )  # fmt: skip
         starts, contexts = paged.q_start.tolist(), paged.ctx_len.tolist()
-        pairs = self._kernels.kv_as_pairs(kv_layer.dtype, kv_layer.shape[-1])
+        eight = kv_layer.dtype is torch.int8
+        pairs = eight or self._kernels.kv_as_pairs(kv_layer.dtype, kv_layer.shape[-1])
         for s in long:
             start, rows, context = starts[s], q_len[s], contexts[s]
             if not 0 <= start <= start + rows <= q.shape[0] or not rows <= context:
                 raise IndexError(f"sequence {s}: rows {start}+{rows} over {context} keys")
             table = paged.block_table[s]
-            if pairs and self._kernels.prefill_attention_amx(
-                q, kv_layer, out, start, rows, context, table, scale
+            cache = kv_layer
+            if eight:  # the context's pages as bf16 pairs, once a chunk and layer (csrc/kv8.c)
+                pages = -(-context // BLOCK_SIZE)
+                cache = self._kernels.kv8_pairs(kv_layer, table[:pages].contiguous())
+                table = torch.arange(pages, dtype=torch.int32)
+            if (
+                pairs
+                and cache is not None
+                and self._kernels.prefill_attention_amx(
+                    q, cache, out, start, rows, context, table, scale
+                )
             ):
                 continue  # on AMX tiles, in place (csrc/attention_amx.c)
+            table = paged.block_table[s]
             k, v = self._context(kv_layer, table, context, q.dtype)  # [h_kv, ctx, d] each
             o = F.scaled_dot_product_attention(
                 q[start : start + rows].transpose(0, 1).unsqueeze(0),  # [1, h, rows, d]

@@ -419,6 +419,261 @@ static inline void group_run_pairs(const uint16_t *q, int64_t q_stride, const ui
 #endif
 #endif
 
+
+/* ---- an 8-bit cache (ppring.h), read in place ----------------------------------------------- */
+
+/* Page `block` of an 8-bit cache, KV head g, decoded to fp32: kbuf and vbuf [PAGE, D], code
+ * times its scale, the values the torch path's dequantization gives (one rounding each). Every
+ * slot of the page (an int8 code and a finite scale: nothing a slot past the context holds is
+ * NaN). For a stage that computes in fp32, and where kv8_group_page_i16 does not run. */
+static void kv8_page_to_f32(const void *kv, int64_t block, int g, int64_t num_slots, int Hkv,
+                            int D, float *kbuf, float *vbuf) {
+    const int8_t *k = (const int8_t *)kv + kv8_key_page(block, g, Hkv, D);
+    const int8_t *v = (const int8_t *)kv + kv8_value_page(num_slots, block, g, Hkv, D);
+    const uint8_t *k_scale =
+        (const uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D) + (block * Hkv + g) * D;
+    const uint16_t *v_scale =
+        (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D)) +
+        (block * Hkv + g) * PAGE;
+    float ks[D];
+    for (int d = 0; d < D; d++) ks[d] = kv8_scale(k_scale[d]);
+    for (int j = 0; j < PAGE; j++) {
+        const float vs = bf16_load(v_scale[j]);
+        for (int d = 0; d < D; d++) {
+            kbuf[j * D + d] = (float)k[kv8_key_at(j, d)] * ks[d];
+            vbuf[j * D + d] = (float)v[kv8_value_at(j, d, D)] * vs;
+        }
+    }
+}
+
+#if defined(HAVE_AVX512_ATTENTION) && defined(__AVX512VNNI__)
+/* A bf16 stage reads the codes where they lie, as int16 pairs multiplied by vpdpwssd: per
+ * page, each query times the page's channel scales (fp32) is rounded to int16 at a scale of its
+ * own (its largest product at 32767), so a 32-byte load of 16 slots' codes of two channels
+ * widened to int16 scores them against every head of the KV group with one vpdpwssd a head,
+ * into 16 exact int32 sums (|sum| <= 64 x 32767 x 127 per pair of channels, 256 channels at
+ * most: < 2^31). Likewise the values: each slot's probability times its scale, as int16 at one
+ * scale for the page (its largest V scale at 32767: a probability is at most 1), against 16
+ * channels of two slots a load. The rounding is the query's and the probabilities' to 15 bits
+ * of their largest value (a bf16 stage's own q has 8 bits of mantissa, and the bf16 cache's
+ * kernel rounds probabilities to bf16); fp32 stages keep fp32 products (kv8_page_to_f32).
+ * Default model, 64 decodes at context 2,048, 30 layers' attention alone, 2 threads, AMX Xeon:
+ * the bf16 cache's kernel 147-154 ms; fp32 FMAs over channel-major codes ~110; these int16
+ * pairs 92; with whole lines fetched per group (kv8_prefetch, 2 pages ahead) instead of
+ * prefetch_slice's slices, whose arithmetic per line cost as much as a page's scores, 78-82. */
+
+/* NH queries q [NH, D] (fp32) times the page's channel scales s [D], each as int16 pairs
+ * (32-bit words: channel 2i low, 2i + 1 high) at a scale of its own, qscale[h] (its largest
+ * product at 32767; 0: all zero). The heads' products, maxima and roundings are independent
+ * chains, interleaved. */
+static inline __attribute__((always_inline)) void kv8_int16_queries(
+    const int NH, const float *q, const float *s, int D, float (*qs)[ATT_KV8_MAX_D],
+    int32_t (*pairs)[ATT_KV8_MAX_D / 2], float *qscale) {
+    __m512 m[4];
+    for (int h = 0; h < NH; h++) m[h] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+        const __m512 sc = _mm512_loadu_ps(s + c);
+        for (int h = 0; h < NH; h++) {
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + c), sc);
+            _mm512_storeu_ps(qs[h] + c, x);
+            m[h] = _mm512_max_ps(m[h], _mm512_abs_ps(x));
+        }
+    }
+    __m512 inv[4];
+    for (int h = 0; h < NH; h++) {
+        const float amax = _mm512_reduce_max_ps(m[h]);
+        qscale[h] = amax / 32767.0f;
+        inv[h] = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    }
+    for (int c = 0; c < D; c += 16)
+        for (int h = 0; h < NH; h++) /* 16 int16, in order: 8 pairs of channels */
+            _mm256_storeu_si256(
+                (__m256i *)(pairs[h] + c / 2),
+                _mm512_cvtsepi32_epi16(
+                    _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qs[h] + c), inv[h]))));
+}
+
+/* 2^(e / 8) of 16 scale bytes (kv8_scale, vectorized): the fraction from a table of 8, the
+ * exponent added to its bits */
+static inline __m512 kv8_scale16(const uint8_t *bytes) {
+    const __m512i e = _mm512_sub_epi32(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes)), _mm512_set1_epi32(128));
+    const __m512 frac = _mm512_castsi512_ps(_mm512_setr_epi32(
+        0x3f800000, 0x3f8b95c2, 0x3f9837f0, 0x3fa5fed7, 0x3fb504f3, 0x3fc5672a, 0x3fd744fd,
+        0x3feac0c7, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m512 f = _mm512_permutexvar_ps(_mm512_and_si512(e, _mm512_set1_epi32(7)), frac);
+    return _mm512_castsi512_ps(_mm512_add_epi32(
+        _mm512_castps_si512(f), _mm512_slli_epi32(_mm512_srai_epi32(e, 3), 23)));
+}
+
+static inline __m512i kv8_widen32(const int8_t *codes) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
+}
+
+/* The scores of NH queries (q16: each D / 2 int16 pairs, at scale qscale[h]) against one
+ * page's keys of one KV head (kc: [D / 2][16][2]) */
+static inline __attribute__((always_inline)) void kv8_page_scores_i16(
+    const int NH, const int32_t (*q16)[ATT_KV8_MAX_D / 2], const float *qscale, const int8_t *kc,
+    int D, __m512 *out) {
+    __m512i a[4][2]; /* per head, two sums in flight (pair rows even and odd) */
+    for (int h = 0; h < NH; h++) a[h][0] = a[h][1] = _mm512_setzero_si512();
+    for (int c = 0; c < D / 2; c += 2)
+        for (int i = 0; i < 2; i++) {
+            const __m512i k = kv8_widen32(kc + (c + i) * 2 * PAGE);
+            for (int h = 0; h < NH; h++)
+                a[h][i] = _mm512_dpwssd_epi32(a[h][i], k, _mm512_set1_epi32(q16[h][c + i]));
+        }
+    for (int h = 0; h < NH; h++)
+        out[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[h][0], a[h][1])),
+                               _mm512_set1_ps(qscale[h]));
+}
+
+/* acc[h] += sum_j p[h][j] V[j] over one page's values of one KV head (vc: [8][D][2], vs its 16
+ * scales), p 0 past the slots a row sees */
+static inline __attribute__((always_inline)) void kv8_page_values_i16(
+    const int NH, const float (*p)[PAGE], const int8_t *vc, const uint16_t *vs, int lim, int D,
+    float *acc) {
+    /* p s_j at one scale for every head: p <= 1, so p s_j <= the page's largest s_j */
+    const __m512 s = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)vs)), 16));
+    const float smax = _mm512_reduce_max_ps(s); /* >= 0 */
+    const float pscale = smax / 32767.0f;
+    const __m512 to16 = _mm512_mul_ps(s, _mm512_set1_ps(smax > 0.0f ? 32767.0f / smax : 0.0f));
+    int32_t p16[4][PAGE / 2]; /* per head, the slot pairs' int16 probabilities */
+    for (int h = 0; h < NH; h++)
+        _mm256_storeu_si256(
+            (__m256i *)p16[h],
+            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(p[h]), to16))));
+    const int num_pairs = (lim + 1) / 2;
+    for (int c = 0; c < D; c += 64) {
+        __m512i o[4][4];
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < 4; i++) o[h][i] = _mm512_setzero_si512();
+        for (int jp = 0; jp < num_pairs; jp++) {
+            __m512i vv[4];
+            for (int i = 0; i < 4; i++) vv[i] = kv8_widen32(vc + ((int64_t)jp * D + c + 16 * i) * 2);
+            for (int h = 0; h < NH; h++) {
+                const __m512i ph = _mm512_set1_epi32(p16[h][jp]);
+                for (int i = 0; i < 4; i++) o[h][i] = _mm512_dpwssd_epi32(o[h][i], vv[i], ph);
+            }
+        }
+        for (int h = 0; h < NH; h++) {
+            const __m512 ps = _mm512_set1_ps(pscale);
+            for (int i = 0; i < 4; i++) {
+                float *a = acc + h * D + c + 16 * i;
+                _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(o[h][i]), ps,
+                                                    _mm512_loadu_ps(a)));
+            }
+        }
+    }
+}
+
+/* `bytes` from `at` into L2, a line at a time (the empty asm: see prefetch_slice) */
+static inline void kv8_prefetch(const void *at, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch((const char *)at + b, 0, 2);
+        __asm__ volatile("");
+    }
+}
+
+/* nq query vectors (the heads of one KV group on one row: q [nq, D], fp32, scaled) over one page
+ * of an 8-bit cache, with the online-softmax update of each one's m, l and acc [nq, D] */
+static inline void kv8_group_page_i16(const float *q, const int8_t *kc, const float *ks,
+                                      const int8_t *vc, const uint16_t *vs, int lim, int D, int nq,
+                                      float *m, float *l, float *acc, const int8_t *next_k,
+                                      const int8_t *next_v) {
+    const __mmask16 valid = lim >= PAGE ? (__mmask16)0xffff : (__mmask16)((1u << lim) - 1);
+    int32_t q16[4][ATT_KV8_MAX_D / 2];
+    float qs[4][ATT_KV8_MAX_D], qscale[4], p[4][PAGE];
+    for (int h0 = 0; h0 < nq; h0 += 4) {
+        const int nh = nq - h0 < 4 ? nq - h0 : 4;
+        const float *qh = q + h0 * D;
+        if (next_k && h0 == 0) kv8_prefetch(next_k, (int64_t)D * PAGE);
+        __m512 sc[4];
+        switch (nh) {
+        case 1:
+            kv8_int16_queries(1, qh, ks, D, qs, q16, qscale);
+            kv8_page_scores_i16(1, q16, qscale, kc, D, sc);
+            break;
+        case 2:
+            kv8_int16_queries(2, qh, ks, D, qs, q16, qscale);
+            kv8_page_scores_i16(2, q16, qscale, kc, D, sc);
+            break;
+        case 3:
+            kv8_int16_queries(3, qh, ks, D, qs, q16, qscale);
+            kv8_page_scores_i16(3, q16, qscale, kc, D, sc);
+            break;
+        default:
+            kv8_int16_queries(4, qh, ks, D, qs, q16, qscale);
+            kv8_page_scores_i16(4, q16, qscale, kc, D, sc);
+            break;
+        }
+        for (int h = 0; h < nh; h++) {
+            float correction;
+            _mm512_storeu_ps(p[h], page_softmax(sc[h], valid, &m[h0 + h], &l[h0 + h], &correction));
+            if (correction != 1.0f) scale_row(acc + (h0 + h) * D, D, correction);
+        }
+        if (next_v && h0 == 0) kv8_prefetch(next_v, (int64_t)D * PAGE);
+        float *a = acc + h0 * D;
+        switch (nh) {
+        case 1: kv8_page_values_i16(1, p, vc, vs, lim, D, a); break;
+        case 2: kv8_page_values_i16(2, p, vc, vs, lim, D, a); break;
+        case 3: kv8_page_values_i16(3, p, vc, vs, lim, D, a); break;
+        default: kv8_page_values_i16(4, p, vc, vs, lim, D, a); break;
+        }
+    }
+}
+
+/* pages ahead a task fetches (1 and 3 measured level with 2, within the host's noise) */
+#define KV8_AHEAD 2
+
+/* attend_task's pages over an 8-bit cache on a bf16 stage: every page of the task's context,
+ * its KV groups one after another, each row of the task that sees the page (qv, pos, m, l, acc
+ * as attend_task's); the page KV8_AHEAD on fetched meanwhile. */
+static void kv8_task_pages(const Task *task, const void *kv, const int32_t *blocks,
+                           int64_t num_slots, int Hkv, int D, const float *qv, const int *pos,
+                           int num_pages, int last_pos, float *m, float *l,
+                           float *acc) {
+    const int num_groups = task->g1 - task->g0, nh = task->nh;
+    const int8_t *codes = kv;
+    const uint8_t *k_scale = (const uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D);
+    const uint16_t *v_scale =
+        (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D));
+    float ks[ATT_KV8_MAX_D];
+    for (int page = 0; page < num_pages; page++) {
+        const int key0 = page * PAGE;
+        const int nk = last_pos + 1 - key0 < PAGE ? last_pos + 1 - key0 : PAGE;
+        /* the page KV8_AHEAD on: its scales now, each group's keys and values by the first
+         * row that reads this page's (a line at a time: the pages lie anywhere) */
+        const int64_t next = page + KV8_AHEAD < num_pages ? blocks[page + KV8_AHEAD] : -1;
+        if (next >= 0) {
+            kv8_prefetch(k_scale + (next * Hkv + task->g0) * D, (int64_t)num_groups * D);
+            kv8_prefetch(v_scale + (next * Hkv + task->g0) * PAGE, (int64_t)num_groups * PAGE * 2);
+        }
+        const int64_t block = blocks[page];
+        for (int g = task->g0; g < task->g1; g++) {
+            const int8_t *kc = codes + kv8_key_page(block, g, Hkv, D);
+            const int8_t *vc = codes + kv8_value_page(num_slots, block, g, Hkv, D);
+            const uint16_t *vs = v_scale + (block * Hkv + g) * PAGE;
+            for (int c = 0; c < D; c += 16)
+                _mm512_storeu_ps(ks + c, kv8_scale16(k_scale + (block * Hkv + g) * D + c));
+            int fetched = next < 0;
+            for (int i = 0; i < task->nrows; i++) {
+                const int r = (i * num_groups + (g - task->g0)) * nh; /* its first head */
+                int lim = pos[r] + 1 - key0;
+                if (lim <= 0) continue;
+                if (lim > nk) lim = nk;
+                kv8_group_page_i16(qv + r * D, kc, ks, vc, vs, lim, D, nh, &m[r], &l[r],
+                                   acc + r * D, fetched ? NULL : codes + kv8_key_page(next, g, Hkv, D),
+                                   fetched ? NULL : codes + kv8_value_page(num_slots, next, g, Hkv, D));
+                fetched = 1;
+            }
+        }
+    }
+}
+#define HAVE_KV8_I16
+#endif
+
 int ppr_kv_as_pairs(int elem_bytes, int D) { return kv_as_pairs(elem_bytes, D); }
 
 /* Where query vector gh (head gh % nh of the task's group gh / nh) of packed row t starts in
@@ -443,43 +698,6 @@ static inline void run_of_pages(RunPrefetch *run, const void *kv, const int32_t 
     }
 }
 #endif
-
-/* Page `block` of an 8-bit cache (ppring.h), KV head g, decoded to fp32: kbuf and vbuf [PAGE, D],
- * code times its scale, the values the torch path's dequantization gives (one rounding each).
- * Every slot of the page (an int8 code and a finite scale: nothing a slot past the context
- * holds is NaN). */
-static void kv8_page_to_f32(const void *kv, int64_t block, int g, int64_t num_slots, int Hkv,
-                            int D, float *kbuf, float *vbuf) {
-    const int64_t row_stride = (int64_t)Hkv * D;
-    const int8_t *k = (const int8_t *)kv + (block * PAGE * Hkv + g) * D;
-    const int8_t *v = k + num_slots * row_stride;
-    const uint8_t *k_scale =
-        (const uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D) + (block * Hkv + g) * D;
-    const uint16_t *v_scale =
-        (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D)) +
-        block * PAGE * Hkv + g;
-    float ks[D];
-    for (int d = 0; d < D; d++) ks[d] = kv8_scale(k_scale[d]);
-    for (int j = 0; j < PAGE; j++) {
-        const float vs = bf16_load(v_scale[j * Hkv]);
-        const int8_t *kr = k + j * row_stride, *vr = v + j * row_stride;
-        int d = 0;
-#ifdef HAVE_AVX512_ATTENTION
-        for (; d + 16 <= D; d += 16) {
-            const __m512 kf = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(kr + d))));
-            const __m512 vf = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(vr + d))));
-            _mm512_storeu_ps(kbuf + j * D + d, _mm512_mul_ps(kf, _mm512_loadu_ps(ks + d)));
-            _mm512_storeu_ps(vbuf + j * D + d, _mm512_mul_ps(vf, _mm512_set1_ps(vs)));
-        }
-#endif
-        for (; d < D; d++) {
-            kbuf[j * D + d] = (float)kr[d] * ks[d];
-            vbuf[j * D + d] = (float)vr[d] * vs;
-        }
-    }
-}
 
 /* `task` (see above); over pairs, its last run fetches `next_task`'s first (NULL: none) */
 static void attend_task(const Task *task, const Task *next_task, int elem_bytes, int kv_bytes,
@@ -534,6 +752,12 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
     PagePrefetch pf = {NULL, NULL, row_stride * kv_bytes, (int)((span_bytes + 63) / 64), 0};
     pf.lines = PAGE * pf.lines_per_row;
     const int first_row_pos = first_pos + task->row0;
+#ifdef HAVE_KV8_I16
+    if (kv_bytes == 1 && elem_bytes == 2 && use_avx512 && D <= ATT_KV8_MAX_D) {
+        kv8_task_pages(task, kv, blocks, num_slots, Hkv, D, qv, pos, num_pages, last_pos, m, l,
+                       acc);
+    } else
+#endif
 #ifdef HAVE_BF16_DOT
     if (pairs) { /* runs of PAGE_RUN pages (group_run_pairs), the next run fetched meanwhile */
         const int head_blocks = (nh + 3) / 4; /* group_run_pairs' blocks of up to four heads */
@@ -608,7 +832,7 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
         for (int g = task->g0; g < task->g1; g++) {
             const int64_t base = ((int64_t)blocks[page] * PAGE * Hkv + g) * D;
 #ifdef HAVE_AVX512_ATTENTION
-            if (use_avx512 && kv_bytes == 1) { /* the page decoded to fp32 once for all rows */
+            if (use_avx512 && kv_bytes == 1) { /* fp32 products of the decoded page */
                 kv8_page_to_f32(kv, blocks[page], g, num_slots, Hkv, D, kbuf, vbuf);
                 for (int i = 0; i < task->nrows; i++) {
                     const int r = (i * num_groups + (g - task->g0)) * nh;
@@ -616,8 +840,7 @@ static void attend_task(const Task *task, const Task *next_task, int elem_bytes,
                     if (lim <= 0) continue;
                     if (lim > nk) lim = nk;
                     group_page_avx512(0, qv + r * D, kbuf, vbuf, D, lim, D, nh, &m[r], &l[r],
-                                      acc + r * D, prefetching ? &pf : NULL, &call,
-                                      calls_per_page);
+                                      acc + r * D, NULL, &call, calls_per_page);
                 }
                 continue;
             }

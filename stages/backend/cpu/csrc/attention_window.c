@@ -17,7 +17,7 @@
 /* K[j][d] and V[j][d] of slot j of page `block`, head g, of an 8-bit cache (ppring.h), as fp32 */
 static inline float key_at8(const void *kv, int64_t num_slots, int Hkv, int D, int64_t block,
                             int g, int j, int d) {
-    const int8_t code = ((const int8_t *)kv)[((block * PAGE + j) * Hkv + g) * D + d];
+    const int8_t code = ((const int8_t *)kv)[kv8_key_page(block, g, Hkv, D) + kv8_key_at(j, d)];
     const uint8_t e = ((const uint8_t *)kv)[kv8_k_scale_at(num_slots, Hkv, D) +
                                             (block * Hkv + g) * D + d];
     return (float)code * kv8_scale(e);
@@ -25,11 +25,11 @@ static inline float key_at8(const void *kv, int64_t num_slots, int Hkv, int D, i
 
 static inline float value_at8(const void *kv, int64_t num_slots, int Hkv, int D, int64_t block,
                               int g, int j, int d) {
-    const int64_t slot = block * PAGE + j;
-    const int8_t code = ((const int8_t *)kv)[(num_slots + slot) * Hkv * D + (int64_t)g * D + d];
+    const int8_t code =
+        ((const int8_t *)kv)[kv8_value_page(num_slots, block, g, Hkv, D) + kv8_value_at(j, d, D)];
     const uint16_t *v_scale =
         (const uint16_t *)((const char *)kv + kv8_v_scale_at(num_slots, Hkv, D));
-    return (float)code * bf16_load(v_scale[slot * Hkv + g]);
+    return (float)code * bf16_load(v_scale[(block * Hkv + g) * PAGE + j]);
 }
 
 /* K[j][d] and V[j][d] of slot j of a page, head g, as fp32 (the page's layout, see above) */

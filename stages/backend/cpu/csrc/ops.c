@@ -83,8 +83,7 @@ static inline float elem_load(int elem_bytes, const void *x, int64_t i) {
 static void kv8_store_keys(int elem_bytes, const void *k0, int64_t row, int o0, int o1,
                            int64_t page_slot, int g, int8_t *codes, uint8_t *k_scale, int Hkv,
                            int D) {
-    const int64_t row_stride = (int64_t)Hkv * D; /* codes between slots */
-    int8_t *page = codes + page_slot * row_stride + (int64_t)g * D;
+    int8_t *page = codes + kv8_key_page(page_slot / PAGE, g, Hkv, D); /* [D / 2][PAGE][2] */
     uint8_t *scale = k_scale + (page_slot / PAGE * Hkv + g) * D;
     for (int d = 0; d < D; d++) {
         float amax = 0.0f;
@@ -92,18 +91,21 @@ static void kv8_store_keys(int elem_bytes, const void *k0, int64_t row, int o0, 
             const float x = fabsf(elem_load(elem_bytes, k0, (int64_t)(j - o0) * row + d));
             amax = x > amax || x != x ? x : amax;
         }
-        int e = kv8_exponent(amax);
         const int e_old = (int)scale[d] - 128;
-        if (o0 > 0 && e <= e_old) e = e_old;
+        /* where the page's scale holds the run already (a decode's token, mostly),
+         * kv8_exponent would give e_old or less: the page keeps e_old; else the run needs more
+         * (or the page is new) */
+        const int e = o0 > 0 && amax <= KV8_CODE_MAX * kv8_scale_of(e_old) ? e_old
+                                                                           : kv8_exponent(amax);
         const float s_new = kv8_scale_of(e);
         if (o0 > 0 && e > e_old) {
             const float s_old = kv8_scale_of(e_old);
             for (int j = 0; j < o0; j++)
-                page[j * row_stride + d] = kv8_code((float)page[j * row_stride + d] * s_old, s_new);
+                page[kv8_key_at(j, d)] = kv8_code((float)page[kv8_key_at(j, d)] * s_old, s_new);
         }
         scale[d] = (uint8_t)(e + 128);
         for (int j = o0; j < o1; j++)
-            page[j * row_stride + d] =
+            page[kv8_key_at(j, d)] =
                 kv8_code(elem_load(elem_bytes, k0, (int64_t)(j - o0) * row + d), s_new);
     }
 }
@@ -119,7 +121,6 @@ static void kv8_rope_store_rows(int elem_bytes, void *qkv, int64_t row, void *q_
     int8_t *codes = kv;
     uint8_t *k_scale = (uint8_t *)kv + kv8_k_scale_at(num_slots, Hkv, D);
     uint16_t *v_scale = (uint16_t *)((char *)kv + kv8_v_scale_at(num_slots, Hkv, D));
-    const int64_t v_offset = num_slots * Hkv * D;
     const int eb = elem_bytes;
 #pragma omp for schedule(guided, 4)
     for (int t = 0; t < T; t++) {
@@ -144,9 +145,12 @@ static void kv8_rope_store_rows(int elem_bytes, void *qkv, int64_t row, void *q_
             }
             const uint16_t scale_bf16 = bf16_store(amax / KV8_CODE_MAX);
             const float scale = bf16_load(scale_bf16);
-            v_scale[slots[t] * Hkv + g] = scale_bf16;
-            int8_t *dst = codes + v_offset + (slots[t] * Hkv + g) * D;
-            for (int d = 0; d < D; d++) dst[d] = scale > 0.0f ? kv8_code(elem_load(eb, x, d), scale) : 0;
+            const int64_t block = slots[t] / PAGE;
+            const int j = (int)(slots[t] % PAGE);
+            v_scale[(block * Hkv + g) * PAGE + j] = scale_bf16;
+            int8_t *dst = codes + kv8_value_page(num_slots, block, g, Hkv, D); /* [8][D][2] */
+            for (int d = 0; d < D; d++)
+                dst[kv8_value_at(j, d, D)] = scale > 0.0f ? kv8_code(elem_load(eb, x, d), scale) : 0;
         }
     }
     /* (the barrier above: every key rotated) runs start where a token's slot does not follow

@@ -628,19 +628,25 @@ static inline int kv_as_pairs(int elem_bytes, int D) {
 }
 
 /* ---- The 8-bit cache (kv_bytes 1: --kv-cache-dtype int8) -----------------------------------
- * One layer's cache is one allocation (stages/kv_cache.py): codes [2, slots, Hkv, D] int8, K
- * then V, in rows as a 4-byte cache's; then K's scales [slots / PAGE, Hkv, D] uint8, one per
- * page, KV head and channel, each 2^(e / 8) with e = byte - 128 (kv8_scale); then V's scales
- * [slots, Hkv] bf16, one per token and KV head. K per channel of a page because keys carry
- * outlier channels (bench/kv_study.py: KLD added to the default model's fp32 logits, 4 windows,
- * per token and head 0.00064, per channel of a page 0.00014; bf16 0.00002), and one byte a
- * scale because 134 bytes per token and head (not 138 with fp16 scales) is what makes the same
- * memory hold 1.9x bf16's blocks. V per token: a token's values are summed with one weight.
- * A page's K scale only grows: tokens written into a page that already holds some raise a
- * channel's e where they need it and round the page's earlier codes again at the new scale
- * (ops.c kv8_store_keys); a prefill writes a page's tokens in one call, so once. Codes lie in
- * [-127, 127]. stages/kv_quant.py does the same arithmetic in torch (the torch path, and the
- * tests' reference). */
+ * One layer's cache is one allocation (stages/kv_cache.py), [2, slots, Hkv, D] int8 codes (K,
+ * then V) followed by their scales, each laid out by page and KV head (kv8_key_page ...):
+ *   K codes  [slots / PAGE, Hkv, D / 2, PAGE, 2]  a page's keys as pairs of channels per slot
+ *   V codes  [slots / PAGE, Hkv, PAGE / 2, D, 2]  its values as pairs of slots per channel
+ *   K scales [slots / PAGE, Hkv, D] uint8         one per page, KV head and channel: 2^(e / 8),
+ *                                                 e = byte - 128 (kv8_scale)
+ *   V scales [slots / PAGE, Hkv, PAGE] bf16       one per token and KV head
+ * The pairs are bf16 pairs' layout (kv_as_pairs) in bytes: one 32-byte load is 16 slots' codes
+ * of two channels (K) or 16 channels' of two slots (V), which vpdpwssd multiplies as int16
+ * pairs (attention.c kv8_page_scores_i16), and the AMX prefill converts page for page (kv8.c).
+ * K per channel of a page because keys carry outlier channels (bench/kv_study.py: KLD added to
+ * the default model's fp32 logits, 4 windows, per token and head 0.00064, per channel of a page
+ * 0.00014; bf16 0.00002), and one byte a scale because 134 bytes per token and head (not 138
+ * with fp16 scales) is what makes the same memory hold 1.9x bf16's blocks. V per token: a
+ * token's values are summed with one weight. A page's K scale only grows: tokens written into a
+ * page that already holds some raise a channel's e where they need it and round the page's
+ * earlier codes again at the new scale (ops.c kv8_store_keys); a prefill writes a page's tokens
+ * in one call, so once. Codes lie in [-127, 127]. stages/kv_quant.py does the same arithmetic
+ * in torch (the torch path, and the tests' reference). */
 #define KV8_CODE_MAX 127
 /* Whether a cache of kv_bytes (1: this 8-bit one; else the stage dtype's, elem_bytes) is one the
  * kernels store and read: an 8-bit one in whole pages (its scales are per page). */
@@ -651,7 +657,22 @@ static inline int kv_kind_ok(int elem_bytes, int kv_bytes, int64_t num_slots) {
 #define KV8_E_MIN (-128)
 #define KV8_E_MAX 127
 
-/* bytes before K's scales and before V's (elements of the codes, then of K's scales) */
+/* Where head g's keys and values of page `block` start (bytes into the layer), and where slot
+ * j's channel d lies within them */
+static inline int64_t kv8_key_page(int64_t block, int g, int Hkv, int D) {
+    return (block * Hkv + g) * D * PAGE;
+}
+static inline int64_t kv8_value_page(int64_t num_slots, int64_t block, int g, int Hkv, int D) {
+    return num_slots * Hkv * D + kv8_key_page(block, g, Hkv, D);
+}
+static inline int kv8_key_at(int j, int d) { return ((d / 2) * PAGE + j) * 2 + d % 2; }
+static inline int kv8_value_at(int j, int d, int D) { return ((j / 2) * D + d) * 2 + j % 2; }
+
+/* attention.c's 8-bit kernels hold a query's per-channel products on the stack: D <= 256 */
+#define ATT_KV8_MAX_D 256
+
+/* bytes before K's scales and before V's; page `block`'s scales of head g are at
+ * (block * Hkv + g) * D of the first, (block * Hkv + g) * PAGE of the second (bf16) */
 static inline int64_t kv8_k_scale_at(int64_t num_slots, int Hkv, int D) {
     return 2 * num_slots * Hkv * D;
 }
