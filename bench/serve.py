@@ -172,6 +172,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--kv-memory-gib", type=float, default=None, help="KV budget per stage (ppring local's)"
     )
+    parser.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="rings without the prefix cache (ppring local's): the warm-up and every --repeats "
+        "round send the same prompts, which a cache would serve from its blocks",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the rings' logs here")
     parser.add_argument("--no-baseline", action="store_true", help="skip HF generate")
     parser.add_argument("--no-sweep", action="store_true", help="closed loops only, no rates")
@@ -299,6 +305,8 @@ def local_ring(
         cmd += ["--split-lm-head", args.split_lm_head]
     if args.kv_memory_gib is not None:
         cmd += ["--kv-memory-gib", str(args.kv_memory_gib)]
+    if args.disable_radix_cache and "--disable-radix-cache" not in (extra or []):
+        cmd += ["--disable-radix-cache"]
     if args.trace_steps is not None:
         cmd += ["--trace-steps", str(args.trace_steps / tag)]
     (log_dir / tag).mkdir(parents=True, exist_ok=True)
@@ -703,6 +711,7 @@ def write_results(
         "dtype_resolved": _resolved_dtype(args, model_dir),
         "quantization": args.quantization,
         "kv_cache_dtypes": args.kv_cache_dtypes,
+        "disable_radix_cache": args.disable_radix_cache,
         "workload_kind": args.workload,
         "device": args.device,
         "threads": args.threads,

@@ -268,3 +268,24 @@ def test_perplexity_windows_are_whole_and_bounded():
     assert text_windows(ids[:50], 4, 300) == [ids[:50]]  # shorter than a window: the whole text
     with pytest.raises(ValueError, match="fewer than two tokens"):
         text_windows([7], 4, 300)
+
+
+def test_serve_benches_a_ring_per_kv_cache_dtype_and_pairs_them():
+    args = serve_bench.parse_args(
+        ["--pp-sizes", "1,2", "--kv-cache-dtype", "auto,int8", "--disable-radix-cache"]
+    )
+    assert serve_bench.ring_layouts(args) == [(1, "auto"), (1, "int8"), (2, "auto"), (2, "int8")]
+    assert serve_bench.ring_names(args, 2, "int8") == ("pp2-kv-int8", None, "int8")
+    assert [t.layout for t in serve_bench._targets(args, 1, "tcp://x", None, "int8")] == [
+        "PP=1 KV int8"
+    ]
+    one = serve_bench.parse_args(["--pp-sizes", "1"])
+    assert serve_bench.ring_names(one, 1, "auto") == ("pp1", None, "auto")
+    closed = [
+        {"layout": name, "closed_loop_concurrency": 32, "output_tokens_per_s_rounds": tps}
+        for name, tps in (("PP=1 KV auto", [100.0, 110.0]), ("PP=1 KV int8", [130.0, 121.0]))
+    ]
+    ratios = serve_bench._paired_ratios(closed, [])
+    assert ratios["32"]["PP=1 KV int8 / PP=1 KV auto"]["rounds"] == [1.3, 1.1]
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--kv-cache-dtype", "auto,int4"])

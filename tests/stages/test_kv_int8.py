@@ -355,3 +355,39 @@ def test_the_start_up_summary_says_what_the_kv_cache_holds_and_refuses_what_it_c
     assert local.main([*argv, "--kv-cache-dtype", "fp8_e4m3", "--port", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --kv-cache-dtype fp8_e4m3 is not built yet")
+
+
+def test_a_head_dim_off_the_vector_width_stores_as_the_reference_too() -> None:
+    """head_dim 24: the scalar store and the decoded page (csrc/ops.c, attention.c)."""
+    k8 = kernels()
+    d, heads, kv_heads = 24, 2, 1
+    native_kv = KVCache(1, 4, kv_heads, d, torch.float32, kv_cache_dtype="int8")
+    torch_kv = KVCache(1, 4, kv_heads, d, torch.float32, kv_cache_dtype="int8")
+    table, done = [2, 0, 3], 0
+    for step, n in enumerate([19, 1, 1, 9]):
+        g = torch.Generator().manual_seed(step)
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g) * 3
+        angles = torch.randn(n, d // 2, generator=g)
+        cos = torch.cat([angles.cos()] * 2, 1)
+        sin = torch.cat([-angles.sin(), angles.sin()], 1)
+        slots = slots_of(table, range(done, done + n))
+        done += n
+        rotated = qkv.clone()
+        q = k8.rope_store(rotated, cos, sin, slots, native_kv.layer(0), heads)
+        k = rotated[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)
+        store_kv(torch_kv.layer(0), slots, k, qkv[:, (heads + kv_heads) * d :].view(n, kv_heads, d))
+        for mine, reference in zip(
+            kv_quant.parts(native_kv.layer(0)), kv_quant.parts(torch_kv.layer(0))
+        ):
+            assert torch.equal(mine, reference), f"step {step}"
+        meta = [torch.tensor([x], dtype=torch.int32) for x in (0, n, done)]
+        got = k8.paged_attention(
+            q, native_kv.layer(0), *meta, torch.tensor([table], dtype=torch.int32), d**-0.5
+        )
+        k_all, v_all = gather_kv(native_kv.layer(0), slots_of(table, range(done)), torch.float32)
+        mask = torch.ones(n, done, dtype=torch.bool).tril(done - n)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None],
+            attn_mask=mask, scale=d**-0.5, enable_gqa=True,
+        )[0].transpose(0, 1)  # fmt: skip
+        assert (got - expected).abs().max().item() < 1e-4

@@ -76,6 +76,31 @@ static inline float elem_load(int elem_bytes, const void *x, int64_t i) {
     return elem_bytes == 4 ? ((const float *)x)[i] : bf16_load(((const uint16_t *)x)[i]);
 }
 
+#if defined(HAVE_AVX512_ATTENTION) && defined(__AVX512VL__)
+#define HAVE_KV8_STORE16
+/* kv8_code of 16 values x / s: rounded to nearest even, clamped to [-127, 127], NaN to 0 */
+static inline __m128i kv8_codes16(__m512 x, __m512 s) {
+    const __m512 q = _mm512_div_ps(x, s);
+    __m512 c = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    c = _mm512_min_ps(_mm512_max_ps(c, _mm512_set1_ps(-KV8_CODE_MAX)), _mm512_set1_ps(KV8_CODE_MAX));
+    c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(q, q, _CMP_ORD_Q), c);
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(c));
+}
+
+/* the largest |x| of 16 lanes of each of n rows (`stride` elements apart, the stage dtype) into
+ * amax[16], NaN where a lane saw one (as the scalar loops: a NaN is kept) */
+static inline void kv8_amax16(int elem_bytes, const void *x, int64_t stride, int n, float *amax) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int j = 0; j < n; j++) {
+        const __m512 v = f32x16_load((const char *)x + j * stride * elem_bytes, elem_bytes == 2);
+        m = _mm512_max_ps(m, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    _mm512_storeu_ps(amax, _mm512_mask_blend_ps(nan, m, _mm512_set1_ps(NAN)));
+}
+#endif
+
 /* One run of an 8-bit cache's keys: rows [o0, o1) of one page (slot `page_slot` its first),
  * head g, from rotated keys k0 (the run's first, of the stage dtype, `row` elements a token).
  * A channel's scale is the page's unless the run needs more (o0 == 0: the page is new, its old
@@ -85,6 +110,37 @@ static void kv8_store_keys(int elem_bytes, const void *k0, int64_t row, int o0, 
                            int D) {
     int8_t *page = codes + kv8_key_page(page_slot / PAGE, g, Hkv, D); /* [D / 2][PAGE][2] */
     uint8_t *scale = k_scale + (page_slot / PAGE * Hkv + g) * D;
+#ifdef HAVE_KV8_STORE16
+    if (D % 16 == 0) { /* 16 channels at a time: the same codes, a vector's worth per token */
+        for (int c = 0; c < D; c += 16) {
+            float amax[16], s_new[16];
+            kv8_amax16(elem_bytes, (const char *)k0 + (int64_t)c * elem_bytes, row, o1 - o0, amax);
+            for (int i = 0; i < 16; i++) {
+                const int d = c + i, e_old = (int)scale[d] - 128;
+                const int e = o0 > 0 && amax[i] <= KV8_CODE_MAX * kv8_scale_of(e_old)
+                                  ? e_old
+                                  : kv8_exponent(amax[i]);
+                s_new[i] = kv8_scale_of(e);
+                if (o0 > 0 && e > e_old) {
+                    const float s_old = kv8_scale_of(e_old);
+                    for (int j = 0; j < o0; j++)
+                        page[kv8_key_at(j, d)] =
+                            kv8_code((float)page[kv8_key_at(j, d)] * s_old, s_new[i]);
+                }
+                scale[d] = (uint8_t)(e + 128);
+            }
+            const __m512 s = _mm512_loadu_ps(s_new);
+            for (int j = o0; j < o1; j++) {
+                const __m512 x = f32x16_load(
+                    (const char *)k0 + ((int64_t)(j - o0) * row + c) * elem_bytes, elem_bytes == 2);
+                int16_t pairs[8]; /* channels c + 2p, c + 2p + 1 of slot j */
+                _mm_storeu_si128((__m128i *)pairs, kv8_codes16(x, s));
+                for (int p = 0; p < 8; p++) memcpy(page + kv8_key_at(j, c + 2 * p), &pairs[p], 2);
+            }
+        }
+        return;
+    }
+#endif
     for (int d = 0; d < D; d++) {
         float amax = 0.0f;
         for (int j = o0; j < o1; j++) {
@@ -139,6 +195,16 @@ static void kv8_rope_store_rows(int elem_bytes, void *qkv, int64_t row, void *q_
         for (int g = 0; g < Hkv; g++) {
             const char *x = (const char *)qkv + ((int64_t)t * row + (int64_t)(H + Hkv + g) * D) * eb;
             float amax = 0.0f;
+#ifdef HAVE_KV8_STORE16
+            if (D % 16 == 0) {
+                float lanes[16];
+                for (int d = 0; d < D; d += 16) {
+                    kv8_amax16(eb, x + (int64_t)d * eb, 0, 1, lanes);
+                    for (int i = 0; i < 16; i++)
+                        amax = lanes[i] > amax || lanes[i] != lanes[i] ? lanes[i] : amax;
+                }
+            } else
+#endif
             for (int d = 0; d < D; d++) {
                 const float a = fabsf(elem_load(eb, x, d));
                 amax = a > amax || a != a ? a : amax;
@@ -149,6 +215,22 @@ static void kv8_rope_store_rows(int elem_bytes, void *qkv, int64_t row, void *q_
             const int j = (int)(slots[t] % PAGE);
             v_scale[(block * Hkv + g) * PAGE + j] = scale_bf16;
             int8_t *dst = codes + kv8_value_page(num_slots, block, g, Hkv, D); /* [8][D][2] */
+#ifdef HAVE_KV8_STORE16
+            if (D % 16 == 0) { /* 16 channels' codes into every other byte (the pairs of slots) */
+                const __m512 s = _mm512_set1_ps(scale);
+                for (int d = 0; d < D; d += 16) {
+                    const __m128i q =
+                        scale > 0.0f
+                            ? kv8_codes16(f32x16_load(x + (int64_t)d * eb, eb == 2), s)
+                            : _mm_setzero_si128();
+                    __m256i w = _mm256_cvtepu8_epi16(q);
+                    if (j % 2) w = _mm256_slli_epi16(w, 8);
+                    _mm256_mask_storeu_epi8(dst + kv8_value_at(j & ~1, d, D),
+                                            (__mmask32)(0x55555555u << (j % 2)), w);
+                }
+                continue;
+            }
+#endif
             for (int d = 0; d < D; d++)
                 dst[kv8_value_at(j, d, D)] = scale > 0.0f ? kv8_code(elem_load(eb, x, d), scale) : 0;
         }
