@@ -62,6 +62,22 @@ def block_bytes(num_kv_heads: int, head_dim: int) -> int:
     return layer_bytes(BLOCK_SIZE, num_kv_heads, head_dim)
 
 
+def check_layer(kv_layer: torch.Tensor) -> None:
+    """ValueError unless kv_layer is an 8-bit layer's codes [2, slots, h_kv, d] (whole pages)
+    with its scales inside the same buffer after them. Builds no view: the kernels' wrappers
+    check every call (backend/cpu/calls.py kv_kind)."""
+    if kv_layer.dtype is not torch.int8 or kv_layer.dim() != 4 or not kv_layer.is_contiguous():
+        raise ValueError("an 8-bit cache layer is its int8 codes [2, slots, h_kv, d]")
+    _, num_slots, h, d = kv_layer.shape
+    if num_slots % BLOCK_SIZE:
+        raise ValueError(f"an 8-bit cache holds whole pages of {BLOCK_SIZE} slots")
+    # int8: the storage offset is in bytes
+    if kv_layer.untyped_storage().nbytes() - kv_layer.storage_offset() < layer_bytes(
+        num_slots, h, d
+    ):
+        raise ValueError("this int8 tensor is not an 8-bit cache layer: no scales follow it")
+
+
 def parts(
     kv_layer: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,17 +86,11 @@ def parts(
     page layout, indexed by page and slot of the page (V's slot j at [page, j // 2, j % 2]; K's
     channel c at [..., c // 2, c % 2]). kv_layer: its codes [2, slots, h_kv, d], the start of
     the layer's buffer, which must hold the scales after them."""
-    if kv_layer.dtype is not torch.int8 or kv_layer.dim() != 4 or not kv_layer.is_contiguous():
-        raise ValueError("an 8-bit cache layer is its int8 codes [2, slots, h_kv, d]")
+    check_layer(kv_layer)
     _, num_slots, h, d = kv_layer.shape
-    if num_slots % BLOCK_SIZE:
-        raise ValueError(f"an 8-bit cache holds whole pages of {BLOCK_SIZE} slots")
     need = layer_bytes(num_slots, h, d)
-    storage = kv_layer.untyped_storage()
-    at = kv_layer.storage_offset()  # int8: bytes
-    if storage.nbytes() - at < need:
-        raise ValueError("this int8 tensor is not an 8-bit cache layer: no scales follow it")
-    whole = torch.empty(0, dtype=torch.uint8, device=kv_layer.device).set_(storage, at, (need,))
+    whole = torch.empty(0, dtype=torch.uint8, device=kv_layer.device)
+    whole.set_(kv_layer.untyped_storage(), kv_layer.storage_offset(), (need,))
     cells = num_slots * h * d
     pages, pair = num_slots // BLOCK_SIZE, BLOCK_SIZE // 2
     k_scale = whole[2 * cells : 2 * cells + cells // BLOCK_SIZE].view(pages, h, d)

@@ -45,11 +45,11 @@ def _grid_pointers(grid: GridCodes | GridPairs | GridQuads) -> tuple[int, int, i
 def kv_kind(kv_layer: torch.Tensor, like: torch.Tensor) -> int:
     """The kernels' name for a cache layer's kind (csrc/ppring.h kv_kind_ok): its element size
     where it is of `like`'s dtype, 1 for an 8-bit layer, whose scales must follow its codes
-    (stages/kv_quant.py parts checks that); a ValueError for anything else."""
+    (stages/kv_quant.py check_layer); a ValueError for anything else."""
     if kv_layer.dtype is torch.int8:
         from stages import kv_quant
 
-        kv_quant.parts(kv_layer)  # the scales lie inside its buffer
+        kv_quant.check_layer(kv_layer)  # the scales lie inside its buffer
         if like.dtype not in _ELEM_BYTES or not kv_layer.is_cpu:
             raise ValueError(
                 f"the CPU kernels take float32 or bfloat16 CPU tensors, got {like.dtype}"

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stages import kv_quant
 from stages.backend.cpu.build import build, find_compiler
 from stages.backend.cpu.calls import _ELEM_BYTES, _check, check_status, kv_kind
 from stages.backend.cpu.matmul_kernels import PANEL, MatmulKernels
@@ -271,7 +272,9 @@ class NativeKernels(MatmulKernels):
         """The pages `pages` [n] (int32) of an 8-bit layer (stages/kv_quant.py) as pages 0..n of
         a bf16 cache in this build's pairs layout, [2, n * 16, h_kv, d]: what the AMX tiles read
         (csrc/kv8.c). None where this build holds no bf16 pairs for d."""
-        kv_kind(kv_layer, torch.empty(0))
+        kv_quant.check_layer(kv_layer)
+        if not kv_layer.is_cpu:
+            raise ValueError("the CPU kernels take CPU tensors")
         _, num_slots, num_kv_heads, head_dim = kv_layer.shape
         if not self.kv_as_pairs(torch.bfloat16, head_dim):
             return None

@@ -266,7 +266,7 @@ void rope_store_rows(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void 
                             num_slots, T, H, Hkv, D);
         return;
     }
-    const int half = D / 2, pairs = kv_as_pairs(elem_bytes, D);
+    const int pairs = kv_as_pairs(elem_bytes, D);
     const int64_t v_offset = num_slots * Hkv * D;
 #pragma omp for schedule(guided, 4)
     for (int t = 0; t < T; t++) {
@@ -284,17 +284,8 @@ void rope_store_rows(int elem_bytes, int kv_bytes, void *qkv, int64_t row, void 
                 continue;
             }
             const int64_t dst = h < H ? ((int64_t)t * H + h) * D : (slots[t] * Hkv + h - H) * D;
-            void *out = h < H ? q_out : kv;
-            if (elem_bytes == 4) {
-                const float *x = (const float *)qkv + src;
-                float *o = (float *)out + dst;
-#pragma omp simd
-                for (int i = 0; i < half; i++) o[i] = x[i] * c[i] + x[i + half] * s[i];
-#pragma omp simd
-                for (int i = half; i < D; i++) o[i] = x[i] * c[i] + x[i - half] * s[i];
-            } else {
-                rope_row_bf16((const uint16_t *)qkv + src, c, s, (uint16_t *)out + dst, D);
-            }
+            rope_row(elem_bytes, (const char *)qkv + src * elem_bytes, c, s,
+                     (char *)(h < H ? q_out : kv) + dst * elem_bytes, D);
         }
         for (int g = 0; g < Hkv; g++) {
             const int64_t src = (int64_t)t * row + (int64_t)(H + Hkv + g) * D;
